@@ -1,0 +1,1 @@
+"""The on-disk format of prefix KV for the impress_flexgen runtime."""

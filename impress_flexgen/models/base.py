@@ -1,0 +1,96 @@
+"""What every model of ours adds to FlexGen's OptLM: weights from our sources, fixes, logits."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from flexgen.pytorch_backend import DeviceType, TorchTensor
+
+
+def dense(weight):
+    """A weight as a plain tensor holder, decompressing FlexGen's group-quantized weights."""
+    if weight.device.device_type == DeviceType.COMPRESSED:
+        return weight.device.decompress(weight)
+    return weight
+
+
+def pick_next_token(logits: torch.Tensor, do_sample: bool, temperature: float) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch, 1) token ids."""
+    if do_sample and temperature >= 1e-5:
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, num_samples=1)
+    return logits.argmax(dim=1, keepdim=True)
+
+
+class LogitsRecorder:
+    """Keeps each generation step's last-position logits when `log` is a list."""
+
+    log: list | None = None
+
+    def record(self, logits: torch.Tensor) -> None:
+        if self.log is not None:
+            self.log.append(logits.detach().float().cpu())
+
+
+class FlexGenModel:
+    """Mixin for OptLM subclasses. Set `weight_path` before calling OptLM.__init__.
+
+    Fixes two FlexGen 0.1.8 bugs: generation_loop_normal (overlap=False) never waits for
+    its asynchronous disk copies, so with disk-resident weights or cache it computes on
+    buffers still being filled; and a cache placed on the mixed device never deletes the
+    files of its disk segment.
+    """
+
+    weight_path: str
+
+    def init_weight(self, j):
+        self.layers[j].init_weight(self.weight_home[j], self.weight_path)
+
+    def generation_loop_normal(self):
+        from flexgen.timer import timers
+
+        for i in range(self.execute_gen_len):
+            timers("generate").start()
+            for k in range(self.num_gpu_batches):
+                self.update_attention_mask(i, k)
+            for j in range(self.num_layers):
+                for k in range(self.num_gpu_batches):
+                    self.load_weight(i, j, k, overlap=False)
+                self.sync()
+                for k in range(self.num_gpu_batches):
+                    self.load_cache(i, j, k, overlap=False)
+                    self.load_hidden(i, j, k)
+                    self.sync()
+                    self.compute_layer(i, j, k)
+                    self.store_hidden(i, j, k)
+                    self.store_cache(i, j, k, overlap=False)
+                    self.sync()
+            timers("generate").stop()
+            if self.task.stop and self.stopped.all():
+                break
+
+    def delete_cache(self, j, k):
+        held = self.cache_home[j][k].pop()
+        for x in held or ():
+            if x.device is not None and x.device.device_type == DeviceType.MIXED:
+                for segment in x.data[0]:
+                    if segment is not None:
+                        segment.delete()
+                x.device = x.data = None
+            else:
+                x.delete()
+
+    @property
+    def output_layer(self):
+        return self.layers[-1]
+
+    def __del__(self):
+        try:
+            self.delete_all_weights()
+        except Exception:  # noqa: BLE001 - interpreter teardown; files are in a temp dir
+            pass
+
+
+def output_logits(compute, hidden: TorchTensor, norm, w_token) -> torch.Tensor:
+    """Logits of the last position only: the others are never needed when generating."""
+    x = hidden.data[:, -1:, :]
+    return F.linear(norm(x), dense(w_token).data)[:, -1, :]

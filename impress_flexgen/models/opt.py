@@ -1,0 +1,91 @@
+"""OPT on FlexGen: its published layers, our weights, logits recorded at the output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch.nn.functional as F
+from flexgen import flex_opt
+from flexgen.opt_config import OptConfig, get_opt_config
+from flexgen.pytorch_backend import TorchTensor
+
+from ..errors import UserError
+from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
+from .base import FlexGenModel, LogitsRecorder, output_logits, pick_next_token
+
+PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
+
+# Tiny shapes for tests. The vocabulary is OPT's, so any GPT-2-sized tokenizer's ids fit.
+TINY = {
+    "opt-tiny": dict(num_hidden_layers=2, hidden_size=64, input_dim=64, n_head=4,
+                     ffn_embed_dim=256, max_seq_len=1024),
+    "opt-mini": dict(num_hidden_layers=4, hidden_size=128, input_dim=128, n_head=8,
+                     ffn_embed_dim=512, max_seq_len=2048),
+}
+
+
+def opt_config(name: str) -> OptConfig:
+    if name in TINY:
+        return OptConfig(name=name, **TINY[name])
+    return get_opt_config(name)
+
+
+def opt_config_from_hf(model_path: Path, name: str) -> OptConfig:
+    cfg = json.loads((model_path / "config.json").read_text())
+    if cfg.get("model_type") != "opt":
+        raise UserError(f"{model_path} holds a '{cfg.get('model_type')}' model, not OPT")
+    if not cfg.get("do_layer_norm_before", True) or \
+            cfg.get("word_embed_proj_dim", cfg["hidden_size"]) != cfg["hidden_size"]:
+        raise UserError("post-layer-norm OPT variants (opt-350m) are not supported by FlexGen")
+    return OptConfig(
+        name=name,
+        num_hidden_layers=cfg["num_hidden_layers"],
+        max_seq_len=cfg["max_position_embeddings"],
+        hidden_size=cfg["hidden_size"],
+        input_dim=cfg["hidden_size"],
+        n_head=cfg["num_attention_heads"],
+        ffn_embed_dim=cfg["ffn_dim"],
+        vocab_size=cfg["vocab_size"],
+        pad_token_id=cfg.get("pad_token_id", 1),
+    )
+
+
+def convert_hf_opt(model_path: Path, cache_root: Path) -> Path:
+    """Hugging Face OPT checkpoint -> FlexGen per-tensor fp16 files (cached)."""
+    files = checkpoint_files(model_path)
+
+    def convert(out: Path) -> None:
+        for name, tensor in iter_checkpoint_tensors(files):
+            if name.startswith("lm_head"):
+                continue  # tied to the token embedding
+            name = name.removeprefix("model.").replace("decoder.final_layer_norm",
+                                                       "decoder.layer_norm")
+            save_tensor(out, name, tensor.float().numpy().astype(np.float16))
+
+    return converted_dir(cache_root, f"opt-{model_path.name}", files, np.float16, convert)
+
+
+class OptOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
+    """FlexGen's OutputEmbed, keeping the logits (FlexGen returns only the argmax)."""
+
+    def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
+                cache_write_buf, i, k):
+        if k == self.policy.num_gpu_batches - 1:
+            (w_ln, _), (b_ln, _), (w_token, _) = weight_read_buf.pop()
+        else:
+            (w_ln, _), (b_ln, _), (w_token, _) = weight_read_buf.val
+        h = self.config.input_dim
+        logits = output_logits(self.compute, hidden.val,
+                               lambda x: F.layer_norm(x, (h,), w_ln.data, b_ln.data), w_token)
+        self.record(logits)
+        ids = pick_next_token(logits, self.task.do_sample, self.task.temperature)
+        hidden.val.delete()
+        hidden.val = TorchTensor.create_from_torch(ids, self.compute)
+
+
+class OptModel(FlexGenModel, flex_opt.OptLM):
+    def __init__(self, config: OptConfig, env, weight_path: str, policy):
+        self.weight_path = weight_path
+        super().__init__(config, env, weight_path, policy)
+        self.layers[-1].__class__ = OptOutputEmbed

@@ -1,0 +1,84 @@
+"""The same weights in Hugging Face transformers: the yardstick our runtime is checked against."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .models import ModelSpec
+from .weights import parse_random_path, random_tensor
+
+
+def _hf_config(spec: ModelSpec):
+    from transformers import LlamaConfig as HFLlamaConfig, OPTConfig
+
+    c = spec.config
+    if spec.family == "opt":
+        return OPTConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+            ffn_dim=c.ffn_embed_dim, num_attention_heads=c.n_head,
+            max_position_embeddings=c.max_seq_len, do_layer_norm_before=True,
+            word_embed_proj_dim=c.hidden_size, pad_token_id=c.pad_token_id,
+            tie_word_embeddings=True)
+    return HFLlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_word_embeddings)
+
+
+def our_name(spec: ModelSpec, hf_name: str) -> str:
+    name = hf_name.removeprefix("model.")
+    if spec.family == "opt":
+        name = name.replace("decoder.final_layer_norm", "decoder.layer_norm")
+    return name
+
+
+def load_reference(spec: ModelSpec):
+    """A float32 transformers model holding exactly the weights our runtime holds."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.gguf_file is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(spec.gguf_file.parent), gguf_file=spec.gguf_file.name, dtype=torch.float32)
+    elif spec.checkpoint is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(spec.checkpoint), dtype=torch.float32)
+    else:
+        seed, std, _ = parse_random_path(spec.weight_path + "/x")
+        model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
+        dtype = torch.float16 if spec.config.dtype.__name__ == "float16" else torch.float32
+        state = {}
+        for hf_name, param in model.state_dict().items():
+            if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            # Round through the runtime's dtype, so both hold identical values.
+            state[hf_name] = random_tensor(our_name(spec, hf_name), tuple(param.shape), seed,
+                                           std, dtype).float().cpu()
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with the model's KV cache; returns tokens and per-step logits."""
+    # transformers renamed `past_key_values` to `cache` (5.x); accept either release.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    tokens, logits = [], []
+    for step in range(max_new_tokens):
+        step_logits = out.logits[0, -1].float()
+        logits.append(step_logits)
+        nxt = int(step_logits.argmax())
+        tokens.append(nxt)
+        if step + 1 == max_new_tokens:
+            break
+        mask = torch.ones(1, len(prompt) + step + 1, dtype=torch.long)
+        past = getattr(out, "cache", None) or out.past_key_values
+        out = model(input_ids=torch.tensor([[nxt]]), attention_mask=mask,
+                    use_cache=True, **{cache_arg: past})
+    return tokens, torch.stack(logits)

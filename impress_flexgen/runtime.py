@@ -1,0 +1,226 @@
+"""A model on FlexGen, ready to generate: devices, placement policy, weights, tokenizer.
+
+    with Runtime(RuntimeConfig(model="smollm2-135m")) as rt:
+        out = rt.generate([rt.tokenizer.encode("It is a truth")], max_new_tokens=16)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import compat, weights
+from .errors import UserError
+from .models import ModelSpec, resolve
+from .paths import offload_dir as default_offload_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """FlexGen's six percentages: weights, KV cache and activations on GPU / CPU (rest: disk)."""
+
+    w_gpu: float = 100
+    w_cpu: float = 0
+    cache_gpu: float = 100
+    cache_cpu: float = 0
+    act_gpu: float = 100
+    act_cpu: float = 0
+
+    NAMED = {  # what the CLI's --placement accepts besides six numbers
+        "gpu": (100, 0, 100, 0, 100, 0),
+        "cpu": (0, 100, 0, 100, 100, 0),
+        "disk": (0, 0, 0, 0, 100, 0),
+        "mixed": (30, 40, 30, 40, 100, 0),
+    }
+
+    @classmethod
+    def parse(cls, values) -> "Placement":
+        """A name from NAMED, "a,b,c,d,e,f", or a sequence of six numbers."""
+        if isinstance(values, str):
+            if values in cls.NAMED:
+                values = cls.NAMED[values]
+            elif "," in values:
+                values = values.split(",")
+            else:
+                raise UserError(f"unknown placement '{values}'; use one of "
+                                f"{', '.join(cls.NAMED)} or six comma-separated percentages")
+        try:
+            values = tuple(float(v) for v in values)
+        except ValueError:
+            raise UserError(f"placement percentages must be numbers: {values}") from None
+        if len(values) != 6:
+            raise UserError("a placement is six percentages: "
+                            "W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU")
+        p = cls(*values)
+        for what, gpu, cpu in (("weights", p.w_gpu, p.w_cpu), ("cache", p.cache_gpu, p.cache_cpu),
+                               ("activations", p.act_gpu, p.act_cpu)):
+            if min(gpu, cpu) < 0 or gpu + cpu > 100:
+                raise UserError(f"placement of {what}: GPU {gpu:g}% + CPU {cpu:g}% must be "
+                                "non-negative and at most 100%")
+        if 100 not in (p.act_gpu, p.act_cpu, 100 - p.act_gpu - p.act_cpu):
+            raise UserError("activations must live wholly on one device (FlexGen's rule)")
+        return p
+
+    @property
+    def uses_disk(self) -> bool:
+        return self.w_gpu + self.w_cpu < 100 or self.cache_gpu + self.cache_cpu < 100
+
+    def describe(self) -> str:
+        return (f"weights {self.w_gpu:g}/{self.w_cpu:g}/{100 - self.w_gpu - self.w_cpu:g}, "
+                f"cache {self.cache_gpu:g}/{self.cache_cpu:g}/"
+                f"{100 - self.cache_gpu - self.cache_cpu:g} (GPU/CPU/disk %)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    model: str = "smollm2-135m"
+    model_path: str | None = None
+    placement: Placement = Placement()
+    offload_dir: str | None = None
+    seed: int = 0
+    dtype: object = None          # np.float16 / np.float32; None: the model's default
+    overlap: bool = True          # overlap I/O and compute (FlexGen's pipelined loop)
+    sep_layer: bool = True
+    compress_weight: bool = False
+    gpu_batch_size: int = 1
+
+
+@dataclasses.dataclass
+class Generation:
+    prompt_len: int
+    new_ids: list[list[int]]          # per prompt, the generated tokens
+    logits: list[torch.Tensor] | None  # per prompt, (new_tokens, vocab) float32
+    prefill_s: float
+    decode_s_per_token: float
+
+
+def make_env(offload_root: Path):
+    """FlexGen's ExecutionEnv. Without CUDA the 'GPU' is a separate CPU device object, so
+    every copy FlexGen would make between GPU and CPU still happens (and is tested)."""
+    from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
+    from flexgen.utils import ExecutionEnv
+
+    gpu = TorchDevice("cuda:0" if torch.cuda.is_available() else "cpu")
+    cpu = TorchDevice("cpu")  # created last: FlexGen's global CPU device
+    offload_root.mkdir(parents=True, exist_ok=True)
+    disk = TorchDisk(tempfile.mkdtemp(prefix=f"flexgen-{os.getpid()}-", dir=offload_root))
+    compat.register_disk(disk)
+    return ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
+
+
+def make_policy(cfg: RuntimeConfig):
+    from flexgen.compression import CompressionConfig
+    from flexgen.flex_opt import Policy
+
+    p = cfg.placement
+    return Policy(
+        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=1,
+        w_gpu_percent=p.w_gpu, w_cpu_percent=p.w_cpu,
+        cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
+        act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
+        overlap=cfg.overlap, sep_layer=cfg.sep_layer,
+        pin_weight=torch.cuda.is_available(), cpu_cache_compute=False, attn_sparsity=1.0,
+        compress_weight=cfg.compress_weight,
+        comp_weight_config=CompressionConfig(num_bits=4, group_size=64, group_dim=0,
+                                             symmetric=False),
+        compress_cache=False,
+        comp_cache_config=CompressionConfig(num_bits=4, group_size=64, group_dim=2,
+                                            symmetric=False),
+    )
+
+
+class Runtime:
+    """Owns the devices, the model and the disk threads; close() (or `with`) releases all."""
+
+    def __init__(self, cfg: RuntimeConfig):
+        compat.apply()
+        weights.install()
+        self.cfg = cfg
+        self.spec: ModelSpec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
+        self.policy = make_policy(cfg)
+        self.env = make_env(Path(cfg.offload_dir) if cfg.offload_dir else default_offload_dir())
+        self._tokenizer = None
+        try:
+            t0 = time.perf_counter()
+            self.model = self._build()
+            self.load_s = time.perf_counter() - t0
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self):
+        if self.spec.family == "opt":
+            from .models.opt import OptModel as cls
+        else:
+            from .models.llama import LlamaModel as cls
+        return cls(self.spec.config, self.env, self.spec.weight_path, self.policy)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.spec)
+        return self._tokenizer
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32,
+                 record_logits: bool = False) -> Generation:
+        """Greedy generation. Prompts of unequal length are left-padded (and masked)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UserError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise UserError("max_new_tokens must be at least 1")
+        config = self.spec.config
+        prompt_len = max(len(p) for p in prompts)
+        if prompt_len + max_new_tokens > config.max_seq_len:
+            raise UserError(f"{prompt_len} prompt + {max_new_tokens} new tokens exceed "
+                            f"{config.name}'s {config.max_seq_len} positions")
+        bad = [i for p in prompts for i in p if not 0 <= i < config.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+
+        from flexgen.timer import timers
+
+        bs = self.policy.gpu_batch_size
+        new_ids, logits, prefill, decode = [], [], [], []
+        for start in range(0, len(prompts), bs):
+            group = prompts[start:start + bs]
+            padded = group + [group[-1]] * (bs - len(group))  # FlexGen needs full batches
+            inputs = [[config.pad_token_id] * (prompt_len - len(p)) + list(p) for p in padded]
+            log: list | None = [] if record_logits else None
+            self.model.output_layer.log = log
+            timers("generate").reset()
+            out = self.model.generate(inputs, max_new_tokens=max_new_tokens)
+            self.model.output_layer.log = None
+            costs = timers("generate").costs
+            prefill.append(costs[0])
+            decode.extend(costs[1:])
+            for r in range(len(group)):
+                new_ids.append([int(t) for t in out[r, prompt_len:]])
+                if log is not None:
+                    logits.append(torch.stack([step[r] for step in log]))
+        return Generation(prompt_len, new_ids, logits if record_logits else None,
+                          float(np.mean(prefill)), float(np.mean(decode)) if decode else 0.0)
+
+    def close(self) -> None:
+        env = getattr(self, "env", None)
+        if env is None:
+            return
+        model = self.__dict__.pop("model", None)
+        if model is not None:
+            model.delete_all_weights()
+        compat.close_disk(env.disk)
+        shutil.rmtree(env.disk.path, ignore_errors=True)
+        self.env = None
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,57 @@
+"""Tokenizers, all offline.
+
+- A checkpoint's own tokenizer when `--model-path` has one.
+- smollm2-135m: the tokenizer inside its GGUF file (converted once, then cached).
+- Random-weight models have no vocabulary of their own; text is encoded with the SmolLM2
+  tokenizer (49,152 ids), which fits OPT's 50,272-entry embedding and llama-tiny's. For a
+  model with a smaller vocabulary (Llama-2 shapes, 32,000) ids are folded modulo the
+  vocabulary size; such text is only a realistic id stream, which is all random weights need.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .paths import cache_dir
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, vocab_size: int, source: str):
+        self.hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.source = source
+        self.folded = len(hf_tokenizer) > vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return [i % self.vocab_size for i in ids] if self.folded else ids
+
+    def decode(self, ids) -> str:
+        if self.folded:
+            return " ".join(str(i) for i in ids)
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+def _gguf_tokenizer(gguf_file: Path):
+    from transformers import AutoTokenizer
+
+    cached = cache_dir() / "tokenizers" / gguf_file.stem
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    cached.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(cached))
+    return tok
+
+
+def load_tokenizer(spec) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    vocab = spec.config.vocab_size
+    if spec.tokenizer_dir is not None:
+        return Tokenizer(AutoTokenizer.from_pretrained(str(spec.tokenizer_dir)), vocab,
+                         f"checkpoint ({spec.tokenizer_dir})")
+    if spec.gguf_file is not None:
+        return Tokenizer(_gguf_tokenizer(spec.gguf_file), vocab, f"GGUF ({spec.gguf_file.name})")
+    from .models import smollm2_gguf
+
+    return Tokenizer(_gguf_tokenizer(smollm2_gguf()), vocab, "SmolLM2 (offline stand-in)")

@@ -1,0 +1,171 @@
+"""Model weights in FlexGen's per-tensor format: seeded random, or converted once and cached.
+
+FlexGen reads weights from a directory holding one np.save file per parameter (Hugging Face
+names without the "model." prefix, no .npy suffix). Its `_DUMMY_` weights are all ones, which
+turns every activation into NaN; we replace FlexGen's `init_weight_list` with one that also
+understands a *random-weight marker* path and fills each tensor with seeded normal values
+directly on its home device (on the GPU when it lives there, so OPT-30B shapes build quickly).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+RANDOM_MARKER = "<random-weights"
+_RANDOM_RE = re.compile(r"<random-weights seed=(\d+) std=([0-9.eE+-]+)>/?(.*)$")
+
+
+def random_weight_path(seed: int = 0, std: float = 0.02) -> str:
+    """A pseudo-directory: FlexGen layers join parameter names onto it as onto a real path."""
+    return f"{RANDOM_MARKER} seed={seed} std={std}>"
+
+
+def generator_device() -> torch.device:
+    """Random weights are drawn on the GPU when there is one (fast for 30B shapes), and on
+    that one device whatever the placement, so every placement gets the same weights."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic per (seed, parameter name); lives on generator_device()."""
+    device = generator_device()
+    leaf = name.rsplit("/", 1)[-1]
+    if leaf.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if leaf.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(leaf.encode())) % (2**63))
+    # Draw in fp32 (fp16 randn is slow or missing on CPU), then cast.
+    out = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+    return out.to(dtype)
+
+
+def parse_random_path(filename: str):
+    """(seed, std, parameter name) of a random-weight marker path, or None for a real file."""
+    match = _RANDOM_RE.match(filename)
+    if match is None:
+        return None
+    return int(match.group(1)), float(match.group(2)), match.group(3)
+
+
+def init_weight_list(weight_specs, policy, env):
+    """Drop-in for flexgen.flex_opt.init_weight_list: same placement, real or seeded weights."""
+    from flexgen.flex_opt import get_choice
+    from flexgen.pytorch_backend import DeviceType
+    from flexgen.utils import np_dtype_to_torch_dtype
+
+    dev_percents = [policy.w_disk_percent, policy.w_cpu_percent, policy.w_gpu_percent]
+    dev_choices = [env.disk, env.cpu, env.gpu]
+    sizes = [int(np.prod(spec[0])) for spec in weight_specs]
+    sizes_cumsum = np.cumsum(sizes)
+    ret = []
+    for (shape, dtype, filename), size, cum in zip(weight_specs, sizes, sizes_cumsum):
+        # FlexGen places each tensor by where its middle falls in the layer's byte range.
+        mid_percent = (cum - size / 2) / sizes_cumsum[-1]
+        home = get_choice(mid_percent * 100, dev_percents, dev_choices)
+        small = len(shape) < 2
+        compress = policy.compress_weight and not small
+        pin = True if small else policy.pin_weight
+        if compress:
+            weight = home.compressed_device.allocate(shape, dtype, policy.comp_weight_config,
+                                                     pin_memory=pin)
+        else:
+            weight = home.allocate(shape, dtype, pin_memory=pin)
+
+        random = parse_random_path(filename)
+        if random is None:
+            if not os.path.exists(filename):
+                raise UserError(f"weight file missing: {filename}")
+            weight.load_from_np_file(filename)
+        else:
+            values = random_tensor(random[2], shape, random[0], random[1],
+                                   np_dtype_to_torch_dtype[dtype])
+            if not compress and home.device_type in (DeviceType.CPU, DeviceType.CUDA):
+                weight.data.copy_(values)
+            else:  # disk or compressed: through numpy, as FlexGen loads files
+                weight.load_from_np(values.cpu().numpy())
+        ret.append(weight)
+    return ret
+
+
+def install() -> None:
+    """Route FlexGen's weight loading through `init_weight_list` above."""
+    from flexgen import flex_opt
+
+    flex_opt.init_weight_list = init_weight_list
+
+
+# ---------------------------------------------------------------------------------------
+# Conversion of real checkpoints, done once and cached.
+
+def _fingerprint(paths: list[Path], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in sorted(paths):
+        st = p.stat()
+        h.update(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def save_tensor(out_dir: Path, name: str, array: np.ndarray) -> None:
+    with open(out_dir / name, "wb") as f:
+        np.save(f, array)
+
+
+def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.dtype,
+                  convert: Callable[[Path], None]) -> Path:
+    """Return the cached conversion of `sources`, running `convert(tmp_dir)` if absent.
+
+    The conversion is written to a temporary directory and renamed into place, so an
+    interrupted conversion is never mistaken for a finished one.
+    """
+    key = _fingerprint(sources, f"{label}:{np.dtype(dtype).name}")
+    final = cache_root / f"{label}-{np.dtype(dtype).name}-{key}"
+    if (final / "CONVERTED.json").exists():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = cache_root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        convert(tmp)
+        (tmp / "CONVERTED.json").write_text(json.dumps(
+            {"sources": [str(s) for s in sources], "dtype": np.dtype(dtype).name}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    files = sorted(model_path.glob("*.safetensors")) or sorted(model_path.glob("pytorch_model*.bin"))
+    if not files:
+        raise UserError(f"no *.safetensors or pytorch_model*.bin files in {model_path}")
+    return files
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, so a large checkpoint never sits in memory whole."""
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+            yield from state.items()
+            del state

@@ -1,0 +1,1 @@
+"""Prefix-KV serving policies for the impress_flexgen runtime, one module per policy."""

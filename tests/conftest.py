@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny Hugging Face checkpoints made on the spot, a private offload dir."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_checkpoint(tmp_path_factory):
+    """A seeded random OPT saved as a Hugging Face checkpoint (no tokenizer files)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(1234)
+    config = OPTConfig(vocab_size=50272, hidden_size=64, num_hidden_layers=2, ffn_dim=256,
+                       num_attention_heads=4, max_position_embeddings=512,
+                       word_embed_proj_dim=64, do_layer_norm_before=True)
+    path = tmp_path_factory.mktemp("hf-opt-tiny")
+    OPTForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory):
+    """A seeded random grouped-query Llama saved as a Hugging Face checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4321)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rope_theta=10000.0,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("hf-llama-tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def offload_dir(tmp_path):
+    d = tmp_path / "offload"
+    d.mkdir()
+    return d
