@@ -1,0 +1,132 @@
+"""The bytes of one (radix node, layer) file: probe keys, then K chunks, then V chunks.
+
+    [probe section][K chunk 0][K chunk 1]...[V chunk 0][V chunk 1]...
+
+- A chunk holds C consecutive (physical) tokens of one layer, all KV heads, head-major
+  ((heads, C, head_dim), so one head's keys are contiguous), fp16. Every chunk starts on a
+  4 KiB boundary and is padded to a multiple of 4 KiB, so any run of adjacent chunks is one
+  O_DIRECT read.
+- The probe section holds the probe heads' keys for all tokens of the node, in the same
+  physical order, readable in one sequential read: fp16 as in the paper, or int4 with one
+  fp16 scale and minimum per group of 32 values (scoring only needs approximate keys).
+- K and V are separate chunks, so a policy can read keys without values.
+- Each chunk and the probe section carry a CRC32 (kept in the metadata, verified on read).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import torch
+
+ALIGN = 4096
+INT4_GROUP = 32
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def crc32(buf) -> int:
+    return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFileLayout:
+    """Offsets inside one (node, layer) file."""
+
+    n_tokens: int
+    chunk_size: int
+    n_kv_heads: int
+    head_dim: int
+    n_probe: int
+    probe_format: str  # "fp16" | "int4"
+
+    @property
+    def n_chunks(self) -> int:
+        return self.n_tokens // self.chunk_size
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Payload of one chunk (without padding)."""
+        return self.n_kv_heads * self.chunk_size * self.head_dim * 2
+
+    @property
+    def chunk_stride(self) -> int:
+        return align_up(self.chunk_bytes)
+
+    @property
+    def probe_bytes(self) -> int:
+        values = self.n_probe * self.n_tokens * self.head_dim
+        if self.probe_format == "fp16":
+            return values * 2
+        return values // 2 + (values // INT4_GROUP) * 4  # packed nibbles + fp16 scale, min
+
+    @property
+    def probe_stride(self) -> int:
+        return align_up(self.probe_bytes)
+
+    def chunk_offset(self, kind: str, index: int) -> int:
+        base = self.probe_stride + (0 if kind == "k" else self.n_chunks * self.chunk_stride)
+        return base + index * self.chunk_stride
+
+    @property
+    def file_bytes(self) -> int:
+        return self.probe_stride + 2 * self.n_chunks * self.chunk_stride
+
+
+# ---------------------------------------------------------------------------------------
+# Probe keys
+
+def encode_probe(keys: torch.Tensor, fmt: str) -> bytes:
+    """keys: (n_probe, n_tokens, head_dim) -> bytes of the probe section (unpadded)."""
+    arr = keys.detach().to(torch.float16).cpu().contiguous().numpy()
+    if fmt == "fp16":
+        return arr.tobytes()
+    if fmt != "int4":
+        raise ValueError(f"unknown probe format {fmt}")
+    groups = arr.astype(np.float32).reshape(-1, INT4_GROUP)
+    lo, hi = groups.min(axis=1, keepdims=True), groups.max(axis=1, keepdims=True)
+    scale = np.maximum((hi - lo) / 15.0, 1e-8).astype(np.float16)
+    lo16 = lo.astype(np.float16)
+    # Quantize against the fp16-rounded scale and minimum: those are what decode sees.
+    q = np.clip(np.rint((groups - lo16.astype(np.float32)) / scale.astype(np.float32)), 0, 15)
+    q = q.astype(np.uint8).reshape(-1, 2)
+    packed = (q[:, 0] | (q[:, 1] << 4)).astype(np.uint8)
+    return packed.tobytes() + np.concatenate([scale, lo16], axis=1).tobytes()
+
+
+def decode_probe(buf, fmt: str, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Bytes of a probe section -> float32 keys of `shape` (n_probe, n_tokens, head_dim)."""
+    n_values = int(np.prod(shape))
+    if fmt == "fp16":
+        arr = np.frombuffer(buf, dtype=np.float16, count=n_values)
+        return torch.from_numpy(arr.astype(np.float32)).view(shape)
+    packed = np.frombuffer(buf, dtype=np.uint8, count=n_values // 2)
+    params = np.frombuffer(buf, dtype=np.float16, offset=n_values // 2,
+                           count=(n_values // INT4_GROUP) * 2).reshape(-1, 2).astype(np.float32)
+    q = np.empty(n_values, dtype=np.uint8)
+    q[0::2], q[1::2] = packed & 0x0F, packed >> 4
+    vals = q.reshape(-1, INT4_GROUP).astype(np.float32) * params[:, :1] + params[:, 1:]
+    return torch.from_numpy(vals).view(shape)
+
+
+def probe_supported(n_probe: int, n_tokens: int, head_dim: int) -> bool:
+    return (n_probe * n_tokens * head_dim) % INT4_GROUP == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Chunks
+
+def chunk_payload(kv: torch.Tensor, index: int, chunk_size: int) -> bytes:
+    """kv: (heads, n_tokens, head_dim) fp16 in physical order -> bytes of chunk `index`."""
+    part = kv[:, index * chunk_size:(index + 1) * chunk_size, :]
+    return part.contiguous().numpy().tobytes()
+
+
+def chunk_tensor(buf, layout: LayerFileLayout) -> torch.Tensor:
+    """Bytes of one chunk payload -> (heads, C, head_dim) fp16 tensor (copied, writable)."""
+    arr = np.frombuffer(buf, dtype=np.float16, count=layout.chunk_bytes // 2)
+    return torch.from_numpy(arr.copy()).view(layout.n_kv_heads, layout.chunk_size,
+                                             layout.head_dim)

@@ -1,0 +1,795 @@
+"""The prefix KV store: chunked files on disk, a radix tree in SQLite, copy-on-write reorders.
+
+A request's life in the store:
+
+    match = store.match_prefix(tokens)          # longest chunk-aligned prefix, locked
+    for layer in range(n_layers):
+        entry = store.entry(node, layer)        # one immutable version of (node, layer)
+        probe = store.read_probe(entry)         # probe heads' keys, physical order
+        k = store.load_chunks(entry, "k", ids)  # GPU tier -> CPU tier -> disk, CRC checked
+        store.record_selection(entry, ...)      # importance feeds reorder and the tiers
+    store.insert(tokens, match.length, kv)      # the newly computed prefix part
+    store.release(match)
+
+Writers fsync data before the metadata transaction that makes it visible; files no
+committed row references are removed when the store is opened. A reorder writes a new
+version of a layer and switches the metadata in one transaction; readers holding the old
+entry keep reading the old file, which is deleted once no request has its node locked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disk_layout.format import (LayerFileLayout, chunk_payload, chunk_tensor, crc32,
+                                decode_probe, encode_probe, probe_supported)
+from disk_layout.io import DiskReader, ShortRead, write_durable
+from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata
+
+from .errors import UserError
+from .radix import PrefixMatch, RadixNode, RadixTree
+
+log = logging.getLogger("impress_flexgen.store")
+STORE_FORMAT = "impress_flexgen-prefix-store"
+
+
+class CorruptNode(Exception):
+    """A chunk or probe section failed its CRC, or its file is short or missing."""
+
+    def __init__(self, node: RadixNode, detail: str):
+        super().__init__(f"node {node.id}: {detail}")
+        self.node = node
+
+
+class StoreFull(Exception):
+    """No room for new KV even after evicting every unlocked leaf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a store's KV belongs to; a store refuses KV of another shape."""
+
+    name: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    chunk_size: int = 64
+    probe_heads: tuple[int, ...] = (0,)     # KV heads whose keys are copied for probing
+    probe_format: str = "int4"             # "fp16" (the paper) or "int4"
+    disk_capacity_bytes: int | None = None
+    eviction: str = "score"                # "score" (hits) or "lru"
+    reorder_interval: int = 50             # queries between background reorders; 0: never
+    reorder_keep_ends: bool = True         # keep the sink chunk and the last chunk in place
+    direct_io: bool = True
+    read_threads: int = 4
+
+    def __post_init__(self):
+        if not 16 <= self.chunk_size <= 256 or self.chunk_size % 8:
+            raise UserError("chunk size must be a multiple of 8 between 16 and 256")
+        if self.probe_format not in ("fp16", "int4"):
+            raise UserError("probe format must be fp16 or int4")
+        if self.eviction not in ("score", "lru"):
+            raise UserError("disk eviction must be score or lru")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerEntry:
+    """One version of one (node, layer): which file, how its tokens are ordered."""
+
+    node_id: int
+    layer: int
+    version: int
+    path: str
+    layout: LayerFileLayout
+    mapping: np.ndarray | None   # physical position -> logical position; None: identity
+    crcs: np.ndarray             # probe, K chunks..., V chunks...
+
+    def crc(self, kind: str, index: int) -> int:
+        return int(self.crcs[1 + index + (0 if kind == "k" else self.layout.n_chunks)])
+
+    def logical_positions(self, chunk_ids) -> np.ndarray:
+        """Logical token positions held by the given physical chunks, chunk after chunk."""
+        c = self.layout.chunk_size
+        phys = (np.asarray(chunk_ids)[:, None] * c + np.arange(c)[None, :]).reshape(-1)
+        return phys if self.mapping is None else self.mapping[phys]
+
+    def physical_chunks_of(self, logical: np.ndarray) -> np.ndarray:
+        """Sorted physical chunk ids holding the given logical positions."""
+        phys = logical if self.mapping is None else np.argsort(self.mapping)[logical]
+        return np.unique(phys // self.layout.chunk_size)
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """Soft state of one (node, layer): what selection has learned about its tokens."""
+
+    importance: np.ndarray       # float32 per logical token, accumulated over queries
+    bitmaps: np.ndarray          # uint8 (n_chunks, C/8): tokens selected last time, physical
+    access: np.ndarray           # uint16 per physical chunk
+    ratio: np.ndarray            # uint8 per physical chunk: important fraction * 255
+    dirty: bool = False          # importance changed since the last reorder
+
+    @classmethod
+    def fresh(cls, n_tokens: int, chunk_size: int) -> "LayerStats":
+        n_chunks = n_tokens // chunk_size
+        return cls(np.zeros(n_tokens, np.float32), np.zeros((n_chunks, chunk_size // 8), np.uint8),
+                   np.zeros(n_chunks, np.uint16), np.zeros(n_chunks, np.uint8))
+
+    def reset_chunks(self) -> None:
+        self.bitmaps[:] = 0
+        self.access[:] = 0
+        self.ratio[:] = 0
+
+
+@dataclasses.dataclass
+class StoreMetrics:
+    chunks_read: int = 0          # from disk
+    bytes_read: int = 0           # from disk, padding included
+    probe_bytes_read: int = 0
+    bytes_needed: int = 0         # bytes of the tokens a request actually needed
+    reorders: int = 0
+    splits: int = 0
+    evictions: int = 0
+    corruptions: int = 0
+    inserts: int = 0
+
+    @property
+    def read_amplification(self) -> float:
+        return (self.bytes_read + self.probe_bytes_read) / self.bytes_needed \
+            if self.bytes_needed else 0.0
+
+
+class PrefixStore:
+    def __init__(self, directory: str | os.PathLike, shape: ModelShape,
+                 config: StoreConfig = StoreConfig(), cache=None):
+        self.dir = Path(directory)
+        self.shape = shape
+        self.config = config
+        self.cache = cache  # tiers.ChunkCache or None
+        if any(h >= shape.n_kv_heads for h in config.probe_heads):
+            raise UserError(f"probe heads {config.probe_heads} exceed {shape.n_kv_heads} KV heads")
+        self._check_directory()
+        self.data_dir = self.dir / "data"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock_directory()
+        self.lock = threading.RLock()
+        self.metrics = StoreMetrics()
+        self.tree = RadixTree(config.chunk_size)
+        self.stats: dict[tuple[int, int], LayerStats] = {}
+        self.queries = 0
+        self.meta = None
+        try:
+            self.meta = Metadata(str(self.dir / "store.sqlite"))
+            self._init_meta()
+            self._recover()
+        except BaseException:
+            if self.meta is not None:
+                self.meta.close()
+            os.close(self._lock_fd)
+            raise
+        self.reopened = len(self.tree) > 0
+        self.reader = DiskReader(config.read_threads, config.direct_io)
+        self._reorder = ReorderEngine(self) if config.reorder_interval > 0 else None
+        self._closed = False
+
+    # -- opening ------------------------------------------------------------------------
+    def _check_directory(self) -> None:
+        if self.dir.exists() and not self.dir.is_dir():
+            raise UserError(f"store directory {self.dir} is a file")
+        if self.dir.is_dir() and any(self.dir.iterdir()) and \
+                not (self.dir / "store.sqlite").exists():
+            raise UserError(f"{self.dir} is not empty and holds no impress_flexgen store; "
+                            "choose another --store-dir")
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _lock_directory(self) -> int:
+        fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"store {self.dir} is in use by another process") from None
+        return fd
+
+    def _init_meta(self) -> None:
+        want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
+                "model": dataclasses.asdict(self.shape), "chunk_size": self.config.chunk_size,
+                "probe_heads": list(self.config.probe_heads),
+                "probe_format": self.config.probe_format}
+        have = self.meta.get_meta()
+        if not have:
+            self.meta.set_meta(want)
+            return
+        if have.get("format") != STORE_FORMAT:
+            raise UserError(f"{self.dir} holds a database that is not an impress_flexgen store")
+        for key in ("schema", "model", "chunk_size", "probe_heads", "probe_format"):
+            if have.get(key) != want[key]:
+                raise UserError(f"store {self.dir} was made with {key}={have.get(key)}, "
+                                f"not {want[key]}; use another --store-dir")
+
+    def _recover(self) -> None:
+        """Load the tree from committed rows; delete files no committed row references."""
+        referenced = self.meta.referenced_files()
+        removed = 0
+        for f in self.data_dir.iterdir():
+            if f.name not in referenced:
+                f.unlink()
+                removed += 1
+        if removed:
+            log.info("removed %d uncommitted files from %s", removed, self.data_dir)
+        pending: dict[int | None, list[RadixNode]] = {}
+        for nid, parent, start, tokens, hits, last in self.meta.nodes():
+            node = RadixNode(nid, None, start, tokens.copy(), hits=hits, last_access=last)
+            rows = self.meta.layers(nid, len(tokens))
+            if len(rows) != self.shape.n_layers:
+                continue  # cannot happen after a committed insert; skip defensively
+            node.layers = [self._entry(row, len(tokens)) for row in rows]
+            for row in rows:
+                self.stats[(nid, row.layer)] = self._stats_from_row(row, len(tokens))
+            pending.setdefault(parent, []).append(node)
+        # Attach parents before children (ids grow with insertion, but splits re-parent).
+        frontier = [None]
+        while frontier:
+            parent_id = frontier.pop()
+            for node in pending.pop(parent_id, []):
+                node.parent = self.tree.nodes.get(parent_id) if parent_id else None
+                self.tree.attach(node)
+                frontier.append(node.id)
+
+    def _layout(self, n_tokens: int) -> LayerFileLayout:
+        return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
+                               self.shape.head_dim, len(self.config.probe_heads),
+                               self.config.probe_format)
+
+    def _entry(self, row: LayerRow, n_tokens: int) -> LayerEntry:
+        return LayerEntry(row.node, row.layer, row.version, str(self.data_dir / row.file),
+                          self._layout(n_tokens), row.mapping, row.crcs)
+
+    def _stats_from_row(self, row: LayerRow, n_tokens: int) -> LayerStats:
+        stats = LayerStats.fresh(n_tokens, self.config.chunk_size)
+        if row.importance is not None and len(row.importance) == n_tokens:
+            stats.importance[:] = row.importance
+            stats.bitmaps[:] = row.bitmaps.reshape(stats.bitmaps.shape)
+            stats.access[:] = row.access
+            stats.ratio[:] = row.ratio
+        return stats
+
+    # -- matching -----------------------------------------------------------------------
+    def match_prefix(self, tokens) -> PrefixMatch:
+        """Longest chunk-aligned stored prefix of `tokens`, locked until release()."""
+        with self.lock:
+            match = self.tree.match_prefix(tokens)
+            self.tree.lock(match)
+            now = time.time()
+            for node in match.nodes:
+                node.hits += 1
+                node.last_access = now
+            return match
+
+    def release(self, match: PrefixMatch) -> None:
+        with self.lock:
+            for node in self.tree.unlock(match):
+                self._delete_retired(node)
+            self.queries += 1
+        if self._reorder is not None:
+            self._reorder.note_query()
+
+    def entry(self, node: RadixNode, layer: int) -> LayerEntry:
+        return node.layers[layer]
+
+    def layer_stats(self, entry: LayerEntry) -> LayerStats:
+        return self.stats[(entry.node_id, entry.layer)]
+
+    # -- reading ------------------------------------------------------------------------
+    def _read(self, node_or_id, entry: LayerEntry, extents):
+        try:
+            return self.reader.read(entry.path, extents)
+        except (ShortRead, FileNotFoundError) as exc:
+            raise CorruptNode(self._node(node_or_id, entry), f"{entry.path}: {exc}") from None
+
+    def _node(self, node, entry: LayerEntry) -> RadixNode:
+        if isinstance(node, RadixNode):
+            return node
+        return self.tree.nodes.get(entry.node_id) or RadixNode(entry.node_id, None, 0,
+                                                               np.zeros(0, np.int32))
+
+    def read_probe(self, entry: LayerEntry, node=None) -> torch.Tensor:
+        """The probe heads' keys for every token of the node, float32, physical order."""
+        lay = entry.layout
+        (buf,) = self._read(node, entry, [(0, lay.probe_stride)])
+        payload = buf[:lay.probe_bytes]
+        if crc32(payload) != int(entry.crcs[0]):
+            raise CorruptNode(self._node(node, entry), f"probe keys of layer {entry.layer}: "
+                                                       "CRC mismatch")
+        self.metrics.probe_bytes_read += lay.probe_stride
+        return decode_probe(payload, lay.probe_format,
+                            (lay.n_probe, lay.n_tokens, lay.head_dim))
+
+    def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
+        """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each."""
+        lay = entry.layout
+        ids = [int(i) for i in chunk_ids]
+        extents = [(lay.chunk_offset(kind, i), lay.chunk_stride) for i in ids]
+        order = np.argsort([e[0] for e in extents], kind="stable")
+        bufs = self._read(node, entry, [extents[i] for i in order])
+        out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        for j, i in enumerate(order):
+            payload = bufs[j][:lay.chunk_bytes]
+            if crc32(payload) != entry.crc(kind, ids[i]):
+                self.metrics.corruptions += 1
+                raise CorruptNode(self._node(node, entry),
+                                  f"layer {entry.layer} {kind.upper()} chunk {ids[i]}: CRC mismatch")
+            out[i] = chunk_tensor(payload, lay)
+        self.metrics.chunks_read += len(ids)
+        self.metrics.bytes_read += len(ids) * lay.chunk_stride
+        return out
+
+    def load_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None,
+                    ratios=None) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """Chunks through the tiers: GPU cache, then CPU cache, then disk (admitted after).
+
+        Returns the chunks (on the GPU tier's device when they came from it, else host
+        memory) and bytes served per tier {"gpu", "cpu", "disk"}.
+        """
+        ids = [int(i) for i in chunk_ids]
+        ratios = [0.0] * len(ids) if ratios is None else [float(r) for r in ratios]
+        out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        served = {"gpu": 0, "cpu": 0, "disk": 0}
+        missing = []
+        for j, (i, r) in enumerate(zip(ids, ratios)):
+            hit = self.cache.get(self._key(entry, kind, i), r) if self.cache else None
+            if hit is None:
+                missing.append(j)
+            else:
+                tier, tensor = hit
+                out[j] = tensor
+                served[tier] += entry.layout.chunk_bytes
+        if missing:
+            fresh = self.read_chunks(entry, kind, [ids[j] for j in missing], node)
+            for j, tensor in zip(missing, fresh):
+                out[j] = tensor
+                served["disk"] += entry.layout.chunk_stride
+                if self.cache is not None:
+                    self.cache.admit(self._key(entry, kind, ids[j]), tensor, ratios[j])
+        return out, served
+
+    @staticmethod
+    def _key(entry: LayerEntry, kind: str, index: int) -> tuple:
+        return (entry.node_id, entry.layer, entry.version, kind, index)
+
+    def read_layer(self, entry: LayerEntry, node=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole K and V of a (node, layer) in logical order: (heads, n_tokens, head_dim)."""
+        ids = range(entry.layout.n_chunks)
+        k = torch.cat(self.read_chunks(entry, "k", ids, node), dim=1)
+        v = torch.cat(self.read_chunks(entry, "v", ids, node), dim=1)
+        if entry.mapping is not None:
+            to_physical = torch.from_numpy(np.argsort(entry.mapping))
+            k, v = k[:, to_physical], v[:, to_physical]
+        return k, v
+
+    # -- selection feedback ---------------------------------------------------------------
+    def record_selection(self, entry: LayerEntry, scores: np.ndarray | None,
+                         selected: np.ndarray | None, chunks_read=None) -> None:
+        """Feed one query's importance back: scores and selection are per logical token."""
+        with self.lock:
+            stats = self.stats.get((entry.node_id, entry.layer))
+            if stats is None:  # the node was split, evicted or quarantined meanwhile
+                return
+            if scores is not None:
+                stats.importance += scores.astype(np.float32)
+                stats.dirty = True
+            if selected is not None:
+                c = entry.layout.chunk_size
+                phys_sel = selected if entry.mapping is None else selected[entry.mapping]
+                per_chunk = phys_sel.reshape(-1, c)
+                stats.bitmaps[:] = np.packbits(per_chunk, axis=1)
+                stats.ratio[:] = np.round(per_chunk.mean(axis=1) * 255).astype(np.uint8)
+            if chunks_read is not None:
+                ids = np.asarray(list(chunks_read), dtype=np.int64)
+                stats.access[ids] = np.minimum(stats.access[ids].astype(np.int64) + 1, 65535)
+
+    def chunk_ratios(self, entry: LayerEntry, chunk_ids) -> np.ndarray:
+        stats = self.stats.get((entry.node_id, entry.layer))
+        if stats is None:
+            return np.zeros(len(chunk_ids))
+        return stats.ratio[np.asarray(chunk_ids, dtype=np.int64)] / 255.0
+
+    def flush_stats(self) -> None:
+        """Persist soft state (importance, bitmaps, counters, ratios) and node hit counts."""
+        with self.lock:
+            rows = [(nid, layer, s.importance, s.bitmaps, s.access, s.ratio)
+                    for (nid, layer), s in self.stats.items() if nid in self.tree.nodes]
+            with self.meta.transaction():
+                self.meta.put_soft_state(rows)
+                self.meta.touch_nodes([(n.id, n.last_access, n.hits)
+                                       for n in self.tree.nodes.values()])
+
+    # -- inserting ----------------------------------------------------------------------
+    def insert(self, tokens, start: int, kv) -> list[RadixNode]:
+        """Store the KV of tokens[start:end] (end = last whole chunk of `tokens`).
+
+        `kv[layer]` is (K, V), each (kv_heads, n, head_dim) for positions start..start+n,
+        n >= end - start. `start` must be chunk-aligned and lie within the stored prefix of
+        `tokens` (normally match.length). Returns the nodes now covering tokens[:end].
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        c = self.config.chunk_size
+        end = len(tokens) // c * c
+        if start % c:
+            raise ValueError("insert start must be chunk-aligned")
+        with self.lock:
+            match = self.tree.match_prefix(tokens[:end])
+            have = match.length
+            if have < start:
+                raise ValueError(f"insert at {start} but only {have} tokens are stored")
+            if have >= end:
+                return match.nodes
+            # Lock the path so making room never evicts the nodes we attach under.
+            self.tree.lock(match)
+            try:
+                parent = None
+                if match.segments:
+                    last, used = match.segments[-1]
+                    parent = self._split(last, used) if used < last.n_tokens else last
+                    if parent is not last:
+                        parent.lock_count += 1
+                        match.segments.append((parent, 0))
+                offset = have - start
+                new_tokens = tokens[have:end]
+                layers = [(k[:, offset:offset + len(new_tokens)],
+                           v[:, offset:offset + len(new_tokens)]) for k, v in kv]
+                node = self._write_node(parent, have, new_tokens, layers)
+            finally:
+                for freed in self.tree.unlock(match):
+                    self._delete_retired(freed)
+            self.metrics.inserts += 1
+            return self.tree.path_to(node)
+
+    def _write_node(self, parent: RadixNode | None, start: int, tokens: np.ndarray,
+                    layers, mappings=None, stats=None) -> RadixNode:
+        """Write files for a new node (fsynced), then commit its rows, then attach it."""
+        layout = self._layout(len(tokens))
+        self._make_room(self.shape.n_layers * layout.file_bytes)
+        files, rows = [], []
+        try:
+            for layer, (k, v) in enumerate(layers):
+                mapping = None if mappings is None else mappings[layer]
+                name = f"{uuid.uuid4().hex}.kv"
+                crcs = self._write_layer_file(self.data_dir / name, layout, k, v)
+                files.append(name)
+                rows.append(LayerRow(0, layer, 1, name, mapping, crcs))
+        except OSError as exc:
+            for name in files:
+                (self.data_dir / name).unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise StoreFull(f"disk full while writing {self.data_dir}") from None
+            raise
+        with self.meta.transaction():
+            nid = self.meta.add_node(parent.id if parent else None, start, tokens)
+            for row in rows:
+                row.node = nid
+                self.meta.put_layer(row)
+        node = RadixNode(nid, parent, start, tokens.copy(), last_access=time.time())
+        node.layers = [self._entry(row, len(tokens)) for row in rows]
+        for layer in range(len(rows)):
+            self.stats[(nid, layer)] = stats[layer] if stats else \
+                LayerStats.fresh(len(tokens), self.config.chunk_size)
+        self.tree.attach(node)
+        return node
+
+    def _write_layer_file(self, path: Path, layout: LayerFileLayout, k_logical: torch.Tensor,
+                          v_logical: torch.Tensor, mapping: np.ndarray | None = None) -> np.ndarray:
+        """Write one (node, layer) file in the physical order given by `mapping`."""
+        k = k_logical.detach().to(torch.float16).cpu()
+        v = v_logical.detach().to(torch.float16).cpu()
+        if mapping is not None:
+            order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
+            k, v = k[:, order], v[:, order]
+        k, v = k.contiguous(), v.contiguous()
+        probe_heads = list(self.config.probe_heads)
+        if self.config.probe_format == "int4" and not probe_supported(
+                len(probe_heads), layout.n_tokens, layout.head_dim):
+            raise ValueError("int4 probe copy needs probe values in groups of 32")
+        probe = encode_probe(k[probe_heads], self.config.probe_format)
+        pieces = [(0, probe)]
+        crcs = [crc32(probe)]
+        for kind, tensor in (("k", k), ("v", v)):
+            for i in range(layout.n_chunks):
+                payload = chunk_payload(tensor, i, layout.chunk_size)
+                pieces.append((layout.chunk_offset(kind, i), payload))
+                crcs.append(crc32(payload))
+        write_durable(str(path), pieces, layout.file_bytes)
+        return np.asarray(crcs, dtype=np.uint32)
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Split `node` at chunk boundary `at`: rewrite both halves, switch in one transaction."""
+        head_tokens, tail_tokens = node.tokens[:at], node.tokens[at:]
+        head_layers, tail_layers, head_stats, tail_stats = [], [], [], []
+        for layer, entry in enumerate(node.layers):
+            k, v = self.read_layer(entry, node)
+            head_layers.append((k[:, :at], v[:, :at]))
+            tail_layers.append((k[:, at:], v[:, at:]))
+            old = self.stats[(node.id, layer)]
+            for part, sl, out in ((head_tokens, slice(0, at), head_stats),
+                                  (tail_tokens, slice(at, None), tail_stats)):
+                s = LayerStats.fresh(len(part), self.config.chunk_size)
+                s.importance[:] = old.importance[sl]
+                s.dirty = True
+                out.append(s)
+        head_layout, tail_layout = self._layout(len(head_tokens)), self._layout(len(tail_tokens))
+        self._make_room(self.shape.n_layers * (head_layout.file_bytes + tail_layout.file_bytes))
+        names = {"head": [], "tail": []}
+        crcs = {"head": [], "tail": []}
+        try:
+            for part, layout, layers in (("head", head_layout, head_layers),
+                                         ("tail", tail_layout, tail_layers)):
+                for k, v in layers:
+                    name = f"{uuid.uuid4().hex}.kv"
+                    names[part].append(name)
+                    crcs[part].append(self._write_layer_file(self.data_dir / name, layout, k, v))
+        except OSError as exc:
+            for name in names["head"] + names["tail"]:
+                (self.data_dir / name).unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise StoreFull("disk full while splitting a node") from None
+            raise
+        parent = node.parent if node.parent is not self.tree.root else None
+        with self.meta.transaction():
+            head_id = self.meta.add_node(parent.id if parent else None, node.start, head_tokens)
+            tail_id = self.meta.add_node(head_id, node.start + at, tail_tokens)
+            for nid, part in ((head_id, "head"), (tail_id, "tail")):
+                for layer, (name, crc) in enumerate(zip(names[part], crcs[part])):
+                    self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crc))
+            for child in node.children.values():
+                self.meta.set_parent(child.id, tail_id)
+            self.meta.delete_node(node.id)
+        head = RadixNode(head_id, None, node.start, head_tokens.copy(), hits=node.hits,
+                         last_access=node.last_access)
+        tail = RadixNode(tail_id, None, node.start + at, tail_tokens.copy(), hits=node.hits,
+                         last_access=node.last_access)
+        for new, part, layout, stats in ((head, "head", head_layout, head_stats),
+                                         (tail, "tail", tail_layout, tail_stats)):
+            new.layers = [LayerEntry(new.id, layer, 1, str(self.data_dir / name), layout, None,
+                                     crc) for layer, (name, crc) in
+                          enumerate(zip(names[part], crcs[part]))]
+            for layer, s in enumerate(stats):
+                self.stats[(new.id, layer)] = s
+        self.tree.replace(node, [head, tail])
+        self._retire_node(node)
+        self.metrics.splits += 1
+        return head
+
+    # -- removing -----------------------------------------------------------------------
+    def _retire_node(self, node: RadixNode) -> None:
+        node.retired_files.extend(e.path for e in node.layers)
+        for layer in range(len(node.layers)):
+            self.stats.pop((node.id, layer), None)
+        if self.cache is not None:
+            self.cache.invalidate(node.id)
+        if node.lock_count == 0:
+            self._delete_retired(node)
+
+    def _delete_retired(self, node: RadixNode) -> None:
+        for path in node.retired_files:
+            self.reader.forget(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        node.retired_files.clear()
+
+    def _remove_subtree(self, node: RadixNode) -> list[RadixNode]:
+        doomed = self.tree.subtree(node)
+        with self.meta.transaction():
+            for n in doomed:
+                self.meta.delete_node(n.id)
+        for n in reversed(doomed):
+            self.tree.detach(n)
+            self._retire_node(n)
+        return doomed
+
+    def evict_leaf(self) -> RadixNode | None:
+        """Evict the unlocked leaf with the lowest score (hits) or the least recent use."""
+        with self.lock:
+            leaves = self.tree.evictable_leaves()
+            if not leaves:
+                return None
+            key = (lambda n: (n.hits, n.last_access)) if self.config.eviction == "score" \
+                else (lambda n: n.last_access)
+            victim = min(leaves, key=key)
+            self._remove_subtree(victim)
+            self.metrics.evictions += 1
+            return victim
+
+    def _make_room(self, new_bytes: int) -> None:
+        cap = self.config.disk_capacity_bytes
+        if cap is None:
+            return
+        if new_bytes > cap:
+            raise StoreFull(f"{new_bytes} bytes of KV exceed the store capacity {cap}")
+        while self.disk_bytes() + new_bytes > cap:
+            if self.evict_leaf() is None:
+                raise StoreFull("store capacity reached and every leaf is in use")
+
+    def quarantine(self, node: RadixNode, reason: str) -> None:
+        """Take a corrupt node (and the prefixes below it, unreachable now) out of service.
+
+        Its files move to quarantine/ for inspection; requests recompute and re-insert.
+        """
+        with self.lock:
+            if not node.live:
+                return
+            log.warning("corrupt KV in store %s, node %d (%s): quarantined, serving by "
+                        "recompute", self.dir, node.id, reason)
+            qdir = self.dir / "quarantine"
+            qdir.mkdir(exist_ok=True)
+            for entry in node.layers:
+                try:
+                    os.link(entry.path, qdir / os.path.basename(entry.path))
+                except OSError:
+                    pass
+            self._remove_subtree(node)
+
+    # -- reordering ---------------------------------------------------------------------
+    def reorder_node(self, node: RadixNode, layers=None) -> int:
+        """Rewrite layers of `node` so tokens sit in order of accumulated importance.
+
+        Copy-on-write: the new version is written and fsynced outside the lock, then the
+        metadata switches in one transaction; readers holding the old entry are unaffected.
+        """
+        done = 0
+        for layer in (range(self.shape.n_layers) if layers is None else layers):
+            with self.lock:
+                if not node.live:
+                    return done
+                old = node.layers[layer]
+                stats = self.stats[(node.id, layer)]
+                importance = stats.importance.copy()
+                stats.dirty = False
+            order = self._importance_order(node, importance)
+            if old.mapping is not None and np.array_equal(order, old.mapping):
+                continue
+            k, v = self.read_layer(old, node)
+            name = f"{uuid.uuid4().hex}.kv"
+            try:
+                crcs = self._write_layer_file(self.data_dir / name, old.layout, k, v, order)
+            except OSError as exc:
+                (self.data_dir / name).unlink(missing_ok=True)
+                log.warning("reorder of node %d layer %d skipped: %s", node.id, layer, exc)
+                continue
+            with self.lock:
+                if not node.live or node.layers[layer] is not old:
+                    os.unlink(self.data_dir / name)
+                    continue
+                new = LayerEntry(node.id, layer, old.version + 1, str(self.data_dir / name),
+                                 old.layout, order, crcs)
+                with self.meta.transaction():
+                    self.meta.put_layer(LayerRow(node.id, layer, new.version, name, order, crcs,
+                                                 stats.importance, stats.bitmaps, stats.access,
+                                                 stats.ratio))
+                node.layers[layer] = new
+                stats.reset_chunks()
+                node.retired_files.append(old.path)
+                if self.cache is not None:
+                    self.cache.invalidate_version(node.id, layer, old.version)
+                if node.lock_count == 0:
+                    self._delete_retired(node)
+                self.metrics.reorders += 1
+                done += 1
+        return done
+
+    def _importance_order(self, node: RadixNode, importance: np.ndarray) -> np.ndarray:
+        """Physical -> logical mapping: most important first, sink and last chunk in place."""
+        c, n = self.config.chunk_size, len(importance)
+        lo, hi = 0, n
+        if self.config.reorder_keep_ends:
+            if node.start == 0:
+                lo = c
+            if n - c >= lo:
+                hi = n - c
+        middle = lo + np.argsort(-importance[lo:hi], kind="stable")
+        return np.concatenate([np.arange(lo), middle, np.arange(hi, n)]).astype(np.int64)
+
+    def reorder_dirty(self) -> int:
+        """Reorder every node whose importance changed since its last reorder."""
+        with self.lock:
+            nodes = [n for n in self.tree.nodes.values()
+                     if any(getattr(self.stats.get((n.id, layer)), "dirty", False)
+                            for layer in range(self.shape.n_layers))]
+        done = sum(self.reorder_node(n) for n in nodes)
+        self.flush_stats()
+        return done
+
+    def reorder_now(self) -> int:
+        """Reorder on demand, in the caller's thread."""
+        return self.reorder_dirty()
+
+    # -- sizes and closing ----------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        return sum(e.layout.file_bytes for n in self.tree.nodes.values() for e in n.layers)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V payload (no padding, no probe copies)."""
+        return sum(2 * e.layout.n_chunks * e.layout.chunk_bytes
+                   for n in self.tree.nodes.values() for e in n.layers)
+
+    def probe_bytes(self) -> int:
+        return sum(e.layout.probe_bytes for n in self.tree.nodes.values() for e in n.layers)
+
+    def overheads(self) -> dict:
+        self.flush_stats()
+        self.meta.checkpoint()
+        kv = self.kv_bytes()
+        return {"kv_bytes": kv, "metadata_bytes": self.meta.size_bytes(),
+                "probe_bytes": self.probe_bytes(), "file_bytes": self.disk_bytes(),
+                "metadata_fraction": self.meta.size_bytes() / kv if kv else 0.0,
+                "probe_fraction": self.probe_bytes() / kv if kv else 0.0,
+                "padding_fraction": (self.disk_bytes() - kv - self.probe_bytes()) / kv if kv else 0.0}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reorder is not None:
+            self._reorder.stop()
+        try:
+            self.flush_stats()
+        finally:
+            self.reader.close()
+            self.meta.close()
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> "PrefixStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReorderEngine:
+    """Background thread: reorders dirty nodes every `reorder_interval` queries."""
+
+    def __init__(self, store: PrefixStore):
+        self.store = store
+        self.interval = store.config.reorder_interval
+        self._wake = threading.Event()
+        self._stopping = False
+        self._since = 0
+        self.thread = threading.Thread(target=self._run, name="kv-reorder", daemon=True)
+        self.thread.start()
+
+    def note_query(self) -> None:
+        self._since += 1
+        if self._since >= self.interval:
+            self._since = 0
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                self.store.reorder_dirty()
+            except Exception as exc:  # noqa: BLE001 - a failed reorder must not stop serving
+                log.warning("background reorder failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self.thread.join()

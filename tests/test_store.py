@@ -1,0 +1,329 @@
+"""The prefix KV store: layout, radix tree, crash safety, reorder, eviction, corruption."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from disk_layout.format import INT4_GROUP, decode_probe, encode_probe
+from impress_flexgen.errors import UserError
+from impress_flexgen.store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = ModelShape("test", n_layers=2, n_kv_heads=2, head_dim=16)
+C = 16
+
+
+def config(**kw):
+    base = dict(chunk_size=C, probe_heads=(0, 1), probe_format="fp16", reorder_interval=0)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def make_kv(n_tokens: int, seed: int, start: int = 0):
+    """Per layer (K, V) for positions start..start+n of a deterministic 'prefix'."""
+    out = []
+    for layer in range(SHAPE.n_layers):
+        g = torch.Generator().manual_seed(seed * 1000 + layer)
+        full = torch.randn(2, SHAPE.n_kv_heads, start + n_tokens, SHAPE.head_dim, generator=g)
+        out.append((full[0, :, start:].half(), full[1, :, start:].half()))
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def stored_kv(store, tokens):
+    """Whole stored KV of `tokens`' matched prefix, per layer, logical order."""
+    match = store.match_prefix(tokens)
+    try:
+        layers = []
+        for layer in range(SHAPE.n_layers):
+            ks, vs = [], []
+            for node, used in match.segments:
+                k, v = store.read_layer(store.entry(node, layer), node)
+                ks.append(k[:, :used])
+                vs.append(v[:, :used])
+            layers.append((torch.cat(ks, 1), torch.cat(vs, 1)))
+        return match.length, layers
+    finally:
+        store.release(match)
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    tokens = np.arange(3 * C + 5)  # the 5 trailing tokens are not a whole chunk
+    kv = make_kv(len(tokens), seed=1)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        store.insert(tokens, 0, kv)
+        length, got = stored_kv(store, tokens)
+    assert length == 3 * C
+    for (k, v), (k2, v2) in zip(kv, got):
+        assert torch.equal(bits(k[:, :length]), bits(k2)) and torch.equal(bits(v[:, :length]), bits(v2))
+
+
+def test_files_are_aligned_and_head_major(tmp_path):
+    tokens = np.arange(2 * C)
+    kv = make_kv(len(tokens), seed=2)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        (node,) = store.insert(tokens, 0, kv)
+        entry = store.entry(node, 1)
+        lay = entry.layout
+        assert os.path.getsize(entry.path) == lay.file_bytes
+        assert lay.chunk_offset("k", 0) % 4096 == 0 and lay.chunk_stride % 4096 == 0
+        raw = Path(entry.path).read_bytes()
+        off = lay.chunk_offset("v", 1)
+        chunk = np.frombuffer(raw[off:off + lay.chunk_bytes], dtype=np.float16)
+        expect = kv[1][1][:, C:2 * C, :].contiguous().numpy().reshape(-1)  # (heads, C, d)
+        assert np.array_equal(chunk, expect)
+
+
+def test_radix_split_and_sharing(tmp_path):
+    a = np.arange(4 * C)
+    b = np.concatenate([a[:2 * C], 1000 + np.arange(3 * C)])  # shares two chunks with a
+    kv_a, kv_b = make_kv(len(a), seed=3), make_kv(len(b), seed=4)
+    # b's KV for the shared part must equal a's (same tokens, same positions): use a's.
+    kv_b = [(torch.cat([ka[:, :2 * C], kb[:, 2 * C:]], 1), torch.cat([va[:, :2 * C], vb[:, 2 * C:]], 1))
+            for (ka, va), (kb, vb) in zip(kv_a, kv_b)]
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        store.insert(a, 0, kv_a)
+        m = store.match_prefix(b)
+        assert m.length == 2 * C and len(m.segments) == 1
+        store.release(m)
+        nodes = store.insert(b, m.length, [(k[:, 2 * C:], v[:, 2 * C:]) for k, v in kv_b])
+        assert [n.n_tokens for n in nodes] == [2 * C, 3 * C]
+        assert store.metrics.splits == 1 and len(store.tree) == 3
+        for tokens, kv in ((a, kv_a), (b, kv_b)):
+            length, got = stored_kv(store, tokens)
+            assert length == len(tokens)
+            for (k, v), (k2, v2) in zip(kv, got):
+                assert torch.equal(bits(k), bits(k2)) and torch.equal(bits(v), bits(v2))
+        # Retired files of the split node are gone; nothing unreferenced stays on disk.
+        referenced = {Path(e.path).name for n in store.tree.nodes.values() for e in n.layers}
+        assert {f.name for f in (tmp_path / "s" / "data").iterdir()} == referenced
+
+
+def test_store_survives_restart_in_a_new_process(tmp_path):
+    tokens = np.arange(5 * C)
+    kv = make_kv(len(tokens), seed=5)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        store.insert(tokens, 0, kv)
+    code = textwrap.dedent(f"""
+        import numpy as np, torch, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.test_store import SHAPE, config, stored_kv, make_kv, bits
+        from impress_flexgen.store import PrefixStore
+        tokens = np.arange({5 * C})
+        with PrefixStore({str(tmp_path / 's')!r}, SHAPE, config()) as store:
+            assert store.reopened
+            length, got = stored_kv(store, tokens)
+        kv = make_kv(len(tokens), seed=5)
+        ok = length == len(tokens) and all(torch.equal(bits(k), bits(k2)) and
+                                           torch.equal(bits(v), bits(v2))
+                                           for (k, v), (k2, v2) in zip(kv, got))
+        print("SAME" if ok else "DIFFERENT", length)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert "SAME" in r.stdout, r.stderr
+
+
+def test_reorder_keeps_logical_kv_and_concurrent_readers_see_no_change(tmp_path):
+    tokens = np.arange(8 * C)
+    kv = make_kv(len(tokens), seed=6)
+    rng = np.random.default_rng(0)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        (node,) = store.insert(tokens, 0, kv)
+        stop, errors, reads = threading.Event(), [], [0]
+
+        def reader():
+            while not stop.is_set():
+                for layer in range(SHAPE.n_layers):
+                    entry = store.entry(node, layer)
+                    k, v = store.read_layer(entry, node)
+                    if not (torch.equal(bits(k), bits(kv[layer][0])) and
+                            torch.equal(bits(v), bits(kv[layer][1]))):
+                        errors.append(entry.version)
+                    reads[0] += 1
+
+        match = store.match_prefix(tokens)  # hold the node, as a request in flight does
+        t = threading.Thread(target=reader)
+        t.start()
+        for _ in range(6):
+            for layer in range(SHAPE.n_layers):
+                entry = store.entry(node, layer)
+                store.record_selection(entry, rng.random(len(tokens)).astype(np.float32), None)
+            assert store.reorder_now() == SHAPE.n_layers
+        stop.set()
+        t.join()
+        store.release(match)
+        assert not errors and reads[0] > 0
+        assert store.metrics.reorders == 6 * SHAPE.n_layers
+        entry = store.entry(node, 0)
+        assert entry.version == 7 and entry.mapping is not None
+        # Sink chunk and last chunk stay in place.
+        assert np.array_equal(entry.mapping[:C], np.arange(C))
+        assert np.array_equal(entry.mapping[-C:], np.arange(len(tokens) - C, len(tokens)))
+        # Old versions were deleted once the request released the node.
+        assert len(list((tmp_path / "s" / "data").iterdir())) == SHAPE.n_layers
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:  # the mapping persists
+        _, got = stored_kv(store, tokens)
+        assert torch.equal(bits(got[0][0]), bits(kv[0][0]))
+
+
+def test_importance_reorder_concentrates_important_tokens(tmp_path):
+    tokens = np.arange(8 * C)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        (node,) = store.insert(tokens, 0, make_kv(len(tokens), seed=7))
+        important = np.zeros(len(tokens), bool)
+        important[np.random.default_rng(1).choice(np.arange(C, 7 * C), 2 * C, replace=False)] = True
+        before = store.entry(node, 0).physical_chunks_of(np.flatnonzero(important))
+        store.record_selection(store.entry(node, 0), important.astype(np.float32), important)
+        store.reorder_node(node, [0])
+        after = store.entry(node, 0).physical_chunks_of(np.flatnonzero(important))
+        assert len(after) == 2 < len(before)
+
+
+def test_uncommitted_files_are_removed_on_open(tmp_path):
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        store.insert(np.arange(2 * C), 0, make_kv(2 * C, seed=8))
+    data = tmp_path / "s" / "data"
+    (data / "deadbeef.kv").write_bytes(b"x" * 100)
+    (data / "cafe.kv.tmp").write_bytes(b"y")
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        assert len(store.tree) == 1
+    assert sorted(f.suffix for f in data.iterdir()) == [".kv", ".kv"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corruption_is_detected_never_served(tmp_path, damage):
+    tokens = np.arange(4 * C)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        (node,) = store.insert(tokens, 0, make_kv(len(tokens), seed=9))
+        entry = store.entry(node, 1)
+        path = Path(entry.path)
+        if damage == "flip":
+            with open(path, "r+b") as f:
+                f.seek(entry.layout.chunk_offset("v", 2) + 7)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x10]))
+        elif damage == "truncate":
+            os.truncate(path, entry.layout.chunk_offset("v", 1))
+        else:
+            path.unlink()
+        store.reader.forget(str(path))
+        with pytest.raises(CorruptNode) as err:
+            store.read_layer(entry, node)
+        assert err.value.node is node
+        store.quarantine(node, str(err.value))
+        assert len(store.tree) == 0 and store.match_prefix(tokens).length == 0
+
+
+def test_probe_copy_int4_is_close_and_small():
+    keys = torch.randn(3, 64, 64)
+    q = decode_probe(encode_probe(keys, "int4"), "int4", (3, 64, 64))
+    f = decode_probe(encode_probe(keys, "fp16"), "fp16", (3, 64, 64))
+    groups = keys.reshape(-1, INT4_GROUP)
+    step = (groups.max(1).values - groups.min(1).values) / 15
+    assert ((q - keys).reshape(-1, INT4_GROUP).abs() <= step[:, None] * 0.51 + 1e-2).all()
+    assert torch.allclose(f, keys, atol=2e-3)
+    # 4 bits per value plus an fp16 scale and minimum per 32 values: 3.2x smaller than fp16
+    assert len(encode_probe(keys, "int4")) * 3.2 == len(encode_probe(keys, "fp16"))
+
+
+def test_capacity_evicts_unlocked_leaves(tmp_path):
+    one_node = None
+    with PrefixStore(tmp_path / "probe", SHAPE, config()) as store:
+        store.insert(np.arange(2 * C), 0, make_kv(2 * C, 1))
+        one_node = store.disk_bytes()
+    cap = int(2.5 * one_node)
+    with PrefixStore(tmp_path / "s", SHAPE, config(disk_capacity_bytes=cap)) as store:
+        prefixes = [i * 10000 + np.arange(2 * C) for i in range(4)]
+        store.insert(prefixes[0], 0, make_kv(2 * C, 0))
+        held = store.match_prefix(prefixes[0])  # in use: must survive
+        for i in (1, 2, 3):
+            store.insert(prefixes[i], 0, make_kv(2 * C, i))
+            assert store.disk_bytes() <= cap
+        assert store.metrics.evictions == 2
+        assert store.match_prefix(prefixes[0]).length == 2 * C
+        assert store.match_prefix(prefixes[3]).length == 2 * C
+        store.release(held)
+    with PrefixStore(tmp_path / "t", SHAPE, config(disk_capacity_bytes=one_node // 2)) as store:
+        with pytest.raises(StoreFull):
+            store.insert(np.arange(2 * C), 0, make_kv(2 * C, 0))
+
+
+def test_directory_checks(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        PrefixStore(other, SHAPE, config())
+    with PrefixStore(tmp_path / "s", SHAPE, config()):
+        with pytest.raises(UserError, match="in use"):
+            PrefixStore(tmp_path / "s", SHAPE, config())
+    with pytest.raises(UserError, match="chunk_size"):
+        PrefixStore(tmp_path / "s", SHAPE, config(chunk_size=32))
+    with pytest.raises(UserError, match="model"):
+        PrefixStore(tmp_path / "s", ModelShape("other", 2, 2, 16), config())
+
+
+def test_metadata_overhead_is_measured(tmp_path):
+    shape = ModelShape("opt-like", n_layers=4, n_kv_heads=32, head_dim=128)
+    with PrefixStore(tmp_path / "s", shape, StoreConfig(chunk_size=64, probe_heads=(0, 1, 2),
+                                                        reorder_interval=0)) as store:
+        n = 1024
+        kv = [(torch.randn(32, n, 128).half(), torch.randn(32, n, 128).half()) for _ in range(4)]
+        (node,) = store.insert(np.arange(n), 0, kv)
+        for layer in range(4):
+            store.record_selection(store.entry(node, layer), np.ones(n, np.float32),
+                                   np.ones(n, bool), range(4))
+        o = store.overheads()
+    assert o["kv_bytes"] == 2 * 4 * n * 32 * 128 * 2
+    assert 0 < o["metadata_fraction"] < 0.005
+    assert o["probe_fraction"] < 3 / 32 / 2  # int4 copy of 3 of 32 heads' keys
+
+
+@pytest.mark.parametrize("policy", ["score", "lru", "lfu"])
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
+    """Chunks moving disk -> CPU tier -> GPU tier -> CPU tier come back bit for bit."""
+    from impress_flexgen.tiers import ChunkCache, TierConfig
+
+    tokens = np.arange(8 * C)
+    kv = make_kv(len(tokens), seed=11)
+    chunk = SHAPE.n_kv_heads * C * SHAPE.head_dim * 2
+    # Tiers smaller than the node: chunks are promoted, demoted and dropped as they go.
+    cache = ChunkCache(TierConfig(gpu_bytes=3 * chunk, cpu_bytes=4 * chunk, policy=policy,
+                                  exclusive=exclusive))
+    rng = np.random.default_rng(2)
+    with PrefixStore(tmp_path / "s", SHAPE, config(), cache=cache) as store:
+        (node,) = store.insert(tokens, 0, make_kv(len(tokens), seed=11))
+        served = {"gpu": 0, "cpu": 0, "disk": 0}
+        for _ in range(60):
+            layer, kind = int(rng.integers(2)), "kv"[int(rng.integers(2))]
+            ids = sorted(rng.choice(8, size=int(rng.integers(1, 5)), replace=False).tolist())
+            entry = store.entry(node, layer)
+            chunks, by_tier = store.load_chunks(entry, kind, ids, node, ratios=rng.random(len(ids)))
+            for tier, n in by_tier.items():
+                served[tier] += n
+            want = kv[layer][0 if kind == "k" else 1]
+            for i, t in zip(ids, chunks):
+                assert torch.equal(bits(t.cpu()), bits(want[:, i * C:(i + 1) * C]))
+        m = cache.metrics
+        assert served["gpu"] > 0 and served["cpu"] > 0 and served["disk"] > 0
+        assert m["gpu"]["promotions"] > 0
+        assert m["gpu"]["used_bytes"] <= 3 * chunk and m["cpu"]["used_bytes"] <= 4 * chunk
+        # A reorder makes the old version's cached chunks unreachable: they are dropped.
+        store.record_selection(store.entry(node, 0), rng.random(len(tokens)).astype(np.float32), None)
+        store.reorder_node(node, [0])
+        assert not any(k[1] == 0 and k[2] == 1 for tier in ("gpu", "cpu")
+                       for k in cache.resident_keys(tier))
