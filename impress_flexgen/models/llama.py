@@ -231,18 +231,11 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
     def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
                 cache_write_buf, i, k):
         c = self.config
-        w_q, w_k, w_v, w_o, w_ln = _weights(weight_read_buf, k, self.policy.num_gpu_batches)
+        weights = _weights(weight_read_buf, k, self.policy.num_gpu_batches)
         x = hidden.val.data
         b, s, _ = x.shape
         mask = attention_mask.val.data.to(x.device)  # (b, total length so far)
-
-        h = rms_norm(x, w_ln.data, c.rms_norm_eps)
-        q = F.linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
-        k_new = F.linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-        v_new = F.linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-        positions = positions_from_mask(mask)[:, -s:]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
+        q, k_new, v_new = llama_qkv(c, weights, x, positions_from_mask(mask)[:, -s:])
 
         if i == 0:  # prefill: causal over the prompt, padding masked
             causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
@@ -260,10 +253,27 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
             allowed = mask[:, None, None, :]
 
         out = grouped_attention(q, keys, values, allowed)
-        out = F.linear(out.transpose(1, 2).reshape(b, s, c.n_head * c.head_dim), w_o.data)
         cache_write_buf.store((TorchTensor.create_from_torch(to_cache_layout(k_new), self.compute),
                                TorchTensor.create_from_torch(to_cache_layout(v_new), self.compute)))
-        hidden.val = TorchTensor.create_from_torch(out + x, self.compute)
+        hidden.val = TorchTensor.create_from_torch(llama_out(c, weights, out, x), self.compute)
+
+
+def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor):
+    """Hidden states (b, s, h) at `positions` (b, s) -> q (b, H, s, d); k, v (b, KV, s, d)."""
+    w_q, w_k, w_v, _, w_ln = weights
+    b, s, _ = x.shape
+    h = rms_norm(x, w_ln.data, c.rms_norm_eps)
+    q = F.linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
+    k = F.linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    v = F.linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def llama_out(c: LlamaConfig, weights, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Attention output (b, H, s, d) -> o_proj + residual (b, s, h)."""
+    b, _, s, _ = attn.shape
+    return F.linear(attn.transpose(1, 2).reshape(b, s, c.n_head * c.head_dim), weights[3].data) + x
 
 
 class LlamaMLP(flex_opt.MLP):

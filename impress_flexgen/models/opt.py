@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from flexgen import flex_opt
 from flexgen.opt_config import OptConfig, get_opt_config
@@ -89,3 +90,25 @@ class OptModel(FlexGenModel, flex_opt.OptLM):
         self.weight_path = weight_path
         super().__init__(config, env, weight_path, policy)
         self.layers[-1].__class__ = OptOutputEmbed
+
+
+def opt_qkv(c: OptConfig, weights, x: torch.Tensor, positions=None):
+    """Hidden states (b, s, h) -> q, k, v each (b, heads, s, d). OPT's positions enter at
+    the embedding, so `positions` is unused here. q is not pre-scaled."""
+    w_q, b_q, w_k, b_k, w_v, b_v, _, _, w_ln, b_ln = weights
+    b, s, h = x.shape
+    d = h // c.n_head
+    hid = F.layer_norm(x, (h,), weight=w_ln.data, bias=b_ln.data)
+
+    def heads(w, bias):
+        return F.linear(hid, w.data, bias=bias.data).view(b, s, c.n_head, d).transpose(1, 2)
+
+    return heads(w_q, b_q), heads(w_k, b_k), heads(w_v, b_v)
+
+
+def opt_out(c: OptConfig, weights, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Attention output (b, heads, s, d) -> out_proj + residual (b, s, h)."""
+    w_out, b_out = weights[6], weights[7]
+    b, _, s, _ = attn.shape
+    return F.linear(attn.transpose(1, 2).reshape(b, s, c.input_dim), w_out.data,
+                    bias=b_out.data) + x

@@ -1,0 +1,471 @@
+"""The serving engine: one request, from radix match to generated tokens.
+
+    engine = Engine(runtime, store, make_policy("impress"))
+    response = engine.serve(Request(prefix_ids, query_ids, max_new_tokens=8))
+
+For each request:
+  1. match    the longest stored, chunk-aligned part R of the prefix (locked meanwhile);
+  2. embed    the new tokens (the rest of the prefix, then the query) at positions |R|...;
+  3. per layer, with that layer's weights placed by FlexGen's policy:
+       project  the new tokens' q, k, v;
+       plan     the policy reads probe keys and decides which chunks to load (ITF);
+       load     those K and V chunks: GPU tier, CPU tier, then disk (CRC-checked);
+       attend   the new tokens over the kept prefix tokens plus themselves (causal);
+       MLP;
+  4. logits   of the last position: the first token (time to first token ends here);
+  5. store    the newly computed prefix KV (whole chunks) in the radix tree;
+  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flexgen.pytorch_backend import TorchTensor
+from flexgen.utils import ValueHolder
+
+from policies import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
+from policies.base import default_probe_heads, tokens_of_chunks
+
+from .errors import UserError
+from .models.base import dense
+from .models.llama import llama_out, llama_qkv, rms_norm
+from .models.opt import opt_out, opt_qkv
+from .runtime import Runtime
+from .store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
+from .tiers import ChunkCache, TierConfig
+
+log = logging.getLogger("impress_flexgen.engine")
+
+
+@dataclasses.dataclass
+class Request:
+    prefix: list[int]
+    query: list[int]
+    max_new_tokens: int = 1
+
+
+@dataclasses.dataclass
+class RequestStats:
+    ttft_s: float = 0.0
+    match_s: float = 0.0
+    weights_s: float = 0.0
+    probe_s: float = 0.0
+    select_s: float = 0.0
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    store_s: float = 0.0
+    decode_s_per_token: float = 0.0
+    prefix_tokens: int = 0
+    matched_tokens: int = 0
+    computed_tokens: int = 0
+    bytes_read: dict = dataclasses.field(default_factory=lambda: {"gpu": 0, "cpu": 0, "disk": 0})
+    probe_bytes: int = 0
+    chunks_read: int = 0
+    bytes_needed: int = 0        # KV bytes of the prefix tokens actually attended
+    prefix_bytes: int = 0        # KV bytes of the whole matched prefix
+    layers: int = 0
+    layers_fallback: int = 0
+    jaccard: list = dataclasses.field(default_factory=list)
+    recovered_from_corruption: int = 0
+
+    @property
+    def io_s(self) -> float:
+        return self.probe_s + self.load_s
+
+    @property
+    def kv_bytes_loaded(self) -> int:
+        return sum(self.bytes_read.values())
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["jaccard"] = float(np.mean(self.jaccard)) if self.jaccard else None
+        d["io_s"] = self.io_s
+        return d
+
+
+@dataclasses.dataclass
+class Response:
+    tokens: list[int]
+    query_logits: torch.Tensor | None   # (len(query), vocab) float32: teacher-forced query
+    step_logits: list[torch.Tensor]     # per generated token, (vocab,) float32
+    stats: RequestStats
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSizes:
+    gpu_bytes: int = 0
+    cpu_bytes: int = 0
+    alpha: float = 1.2
+    exclusive: bool = True
+
+
+class FamilyMath:
+    """The per-family pieces of a transformer layer the engine computes itself."""
+
+    def __init__(self, spec):
+        c = spec.config
+        self.config = c
+        self.family = spec.family
+        if spec.family == "opt":
+            self.n_head, self.n_kv_head = c.n_head, c.n_head
+            self.head_dim = c.input_dim // c.n_head
+        else:
+            self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.n_layers = c.num_hidden_layers
+
+    def qkv(self, weights, x, positions):
+        if self.family == "opt":
+            return opt_qkv(self.config, weights, x)
+        return llama_qkv(self.config, weights, x, positions)
+
+    def out(self, weights, attn, x):
+        if self.family == "opt":
+            return opt_out(self.config, weights, attn, x)
+        return llama_out(self.config, weights, attn, x)
+
+    def logits(self, weights, hidden: torch.Tensor) -> torch.Tensor:
+        """(s, h) last hidden states -> (s, vocab) float32 logits."""
+        if self.family == "opt":
+            w_ln, b_ln, w_token = weights
+            h = F.layer_norm(hidden, (hidden.shape[-1],), w_ln.data, b_ln.data)
+        else:
+            w_norm, w_token = weights
+            h = rms_norm(hidden, w_norm.data, self.config.rms_norm_eps)
+        return F.linear(h, w_token.data).float()
+
+
+def model_shape(spec) -> ModelShape:
+    m = FamilyMath(spec)
+    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim)
+
+
+def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(probe query heads, KV heads whose keys the store's probe copy holds)."""
+    m = FamilyMath(spec)
+    heads = config.probe_heads or default_probe_heads(m.n_head, m.n_kv_head)
+    if any(h >= m.n_head for h in heads):
+        raise UserError(f"probe heads {heads} exceed the model's {m.n_head} heads")
+    group = m.n_head // m.n_kv_head
+    return tuple(heads), tuple(sorted({h // group for h in heads}))
+
+
+def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
+               policy: ServingPolicy, chunk_size: int = 64, probe_format: str = "int4",
+               disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
+               direct_io: bool = True) -> PrefixStore:
+    """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
+    _, probe_kv = probe_setup(runtime.spec, config)
+    store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
+                            disk_capacity_bytes=disk_capacity_bytes,
+                            reorder_interval=reorder_interval if policy.reorder else 0,
+                            direct_io=direct_io)
+    return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
+
+
+class Engine:
+    def __init__(self, runtime: Runtime, store: PrefixStore | None, policy: ServingPolicy,
+                 tiers: TierSizes = TierSizes()):
+        if not runtime.policy.sep_layer:
+            raise UserError("the serving engine needs FlexGen's sep_layer layout")
+        self.rt = runtime
+        self.model = runtime.model
+        self.math = FamilyMath(runtime.spec)
+        self.store = store
+        self.policy = policy
+        self.config = policy.config
+        self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
+        self.compute = self.model.layers[0].compute
+        self.device = self.compute.dev
+        self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
+            else torch.float32
+        if store is not None and policy.reuse:
+            if tuple(store.config.probe_heads) != self.probe_kv_heads:
+                raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "
+                                f"the policy probes {self.probe_kv_heads}")
+            store.cache = ChunkCache(TierConfig(tiers.gpu_bytes, tiers.cpu_bytes,
+                                                policy.tier_policy, tiers.alpha, tiers.exclusive),
+                                     gpu_device=self.device)
+        c = self.math
+        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
+
+    # -- the request ------------------------------------------------------------------------
+    def serve(self, request: Request, query_logits: bool = False) -> Response:
+        if not request.query:
+            raise UserError("a request needs at least one query token")
+        if request.max_new_tokens < 1:
+            raise UserError("max_new_tokens must be at least 1")
+        for attempt in range(3):
+            try:
+                return self._serve(request, query_logits, recovered=attempt)
+            except CorruptNode as exc:
+                # Never serve corrupt KV: take the node out of service and recompute.
+                self.store.quarantine(exc.node, str(exc))
+        raise RuntimeError("store kept failing CRC checks; giving up on this request")
+
+    def _serve(self, req: Request, want_query_logits: bool, recovered: int) -> Response:
+        stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered)
+        t_start = time.perf_counter()
+        match = None
+        use_store = self.store is not None and self.policy.reuse
+        try:
+            # 1. match
+            if use_store:
+                match = self.store.match_prefix(req.prefix)
+            segments_nodes = match.segments if match else []
+            matched = sum(u for _, u in segments_nodes)
+            stats.matched_tokens = matched
+            stats.match_s = time.perf_counter() - t_start
+            new_ids = list(req.prefix[matched:]) + list(req.query)
+            stats.computed_tokens = len(new_ids)
+            stats.prefix_bytes = matched * self.kv_bytes_per_token_layer * self.math.n_layers
+
+            # 2-4. prefill
+            kept, new_kv, logits = self._prefill(new_ids, matched, segments_nodes, stats,
+                                                 n_logits=len(req.query) if want_query_logits
+                                                 else 1)
+            first = int(logits[-1].argmax())
+            stats.ttft_s = time.perf_counter() - t_start
+
+            # 5. store the new prefix KV
+            if use_store and self.policy.store_new:
+                t0 = time.perf_counter()
+                n_prefix_new = len(req.prefix) - matched
+                if n_prefix_new >= self.store.config.chunk_size:
+                    try:
+                        self.store.insert(req.prefix, matched,
+                                          [(k[:, :n_prefix_new], v[:, :n_prefix_new])
+                                           for k, v in new_kv])
+                    except StoreFull as exc:
+                        log.warning("prefix not stored: %s", exc)
+                stats.store_s = time.perf_counter() - t0
+
+            # 6. decode
+            tokens, step_logits = [first], [logits[-1]]
+            if req.max_new_tokens > 1:
+                if self.config.decode_over == "full" and segments_nodes:
+                    kept = self._full_prefix_context(segments_nodes, new_kv, stats)
+                t0 = time.perf_counter()
+                position = len(req.prefix) + len(req.query)
+                for step in range(req.max_new_tokens - 1):
+                    step_logit = self._decode_step(tokens[-1], position + step, kept)
+                    step_logits.append(step_logit)
+                    tokens.append(int(step_logit.argmax()))
+                stats.decode_s_per_token = (time.perf_counter() - t0) / (req.max_new_tokens - 1)
+            return Response(tokens, logits if want_query_logits else None, step_logits, stats)
+        finally:
+            if match is not None:
+                self.store.release(match)
+
+    # -- prefill ----------------------------------------------------------------------------
+    def _prefill(self, new_ids, matched, segments_nodes, stats, n_logits):
+        """Run all layers over the new tokens; returns per-layer decode context, per-layer
+        new (K, V), and the logits of the last `n_logits` positions."""
+        layers = self.model.layers
+        total = matched + len(new_ids)
+        positions = torch.arange(matched, total, device=self.device)[None]
+        hidden = self._embed(new_ids, total, stats)
+        kept, new_kv = [], []
+        for layer in range(self.math.n_layers):
+            weights = self._weights(1 + 2 * layer, stats)
+            t0 = time.perf_counter()
+            x = hidden.val.data
+            q, k_new, v_new = self.math.qkv(weights, x, positions)
+            stats.compute_s += time.perf_counter() - t0
+
+            prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
+                                                              stats)
+            t0 = time.perf_counter()
+            keys = torch.cat([prefix_k, k_new[0]], dim=1)
+            values = torch.cat([prefix_v, v_new[0]], dim=1)
+            s = k_new.shape[2]
+            new_mask = torch.ones(self.math.n_kv_head, s, dtype=torch.bool, device=self.device)
+            mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
+            attn = self._attend(q, keys, values, mask, causal_tail=s)
+            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                       self.compute)
+            kept.append([keys, values, mask])
+            new_kv.append((k_new[0], v_new[0]))
+            stats.compute_s += time.perf_counter() - t0
+            self._mlp(2 + 2 * layer, hidden, stats)
+        out_w = self._weights(len(layers) - 1, stats)
+        t0 = time.perf_counter()
+        logits = self.math.logits(out_w, hidden.val.data[0, -n_logits:])
+        stats.compute_s += time.perf_counter() - t0
+        stats.layers = self.math.n_layers
+        return kept, new_kv, logits.cpu()
+
+    def _prefix_kv(self, layer, segments_nodes, q, k_new, stats):
+        """The policy's choice of this layer's stored prefix KV, loaded: (KV, m, d) K and V
+        and a (KV, m) mask of which tokens each KV head attends."""
+        kv, d = self.math.n_kv_head, self.math.head_dim
+        empty = torch.zeros(kv, 0, d, dtype=self.dtype, device=self.device)
+        if not segments_nodes:
+            return empty, empty, torch.zeros(kv, 0, dtype=torch.bool, device=self.device)
+        store = self.store
+        segments = [Segment(node, used, store.entry(node, layer)) for node, used in segments_nodes]
+        loaded: dict[tuple[str, int, int], torch.Tensor] = {}
+
+        def read_probe() -> torch.Tensor:
+            t0 = time.perf_counter()
+            parts = []
+            for seg in segments:
+                probe = store.read_probe(seg.entry, seg.node)
+                if seg.entry.mapping is not None:
+                    probe = probe[:, torch.from_numpy(np.argsort(seg.entry.mapping))]
+                parts.append(probe[:, : seg.used])
+                stats.probe_bytes += seg.entry.layout.probe_stride
+            stats.probe_s += time.perf_counter() - t0
+            return torch.cat(parts, dim=1)
+
+        def load(kind: str, si: int, ids) -> list[torch.Tensor]:
+            ids = np.asarray(ids, dtype=np.int64)
+            seg = segments[si]
+            missing = [int(i) for i in ids if (kind, si, int(i)) not in loaded]
+            if missing:
+                t0 = time.perf_counter()
+                ratios = store.chunk_ratios(seg.entry, missing)
+                chunks, served = store.load_chunks(seg.entry, kind, missing, seg.node, ratios)
+                for i, t in zip(missing, chunks):
+                    loaded[(kind, si, i)] = t
+                for tier, n in served.items():
+                    stats.bytes_read[tier] += n
+                stats.chunks_read += served["disk"] // seg.entry.layout.chunk_stride
+                stats.load_s += time.perf_counter() - t0
+            return [loaded[(kind, si, int(i))] for i in ids]
+
+        ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
+                           self.config, self.probe_heads, self.probe_kv_heads, read_probe, load)
+        t0 = time.perf_counter()
+        io_before = stats.probe_s + stats.load_s
+        plan = self.policy.plan_layer(ctx)
+        stats.select_s += time.perf_counter() - t0 - (stats.probe_s + stats.load_s - io_before)
+        stats.layers_fallback += int(plan.fallback)
+        if plan.jaccard is not None:
+            stats.jaccard.append(plan.jaccard)
+        return self._gather(plan, segments, load, stats)
+
+    def _gather(self, plan: LayerPlan, segments, load, stats):
+        ks, vs, masks = [], [], []
+        attended = 0
+        for si, seg in enumerate(segments):
+            ids = np.intersect1d(plan.chunks_k[si], plan.chunks_v[si])
+            if len(ids) == 0:
+                continue
+            rows, logical = tokens_of_chunks(seg, ids)
+            # Ratios for the tiers come from this selection, before the chunks are read.
+            k = torch.cat(load("k", si, ids), dim=1)
+            v = torch.cat(load("v", si, ids), dim=1)
+            rows_t = torch.from_numpy(rows).to(k.device)
+            ks.append(k[:, rows_t].to(self.device, self.dtype))
+            vs.append(v[:, rows_t].to(self.device, self.dtype))
+            if plan.attend[si] is None:
+                mask = np.ones((self.math.n_kv_head, len(rows)), dtype=bool)
+            else:
+                mask = np.asarray(plan.attend[si])[:, logical]
+            masks.append(torch.from_numpy(np.ascontiguousarray(mask)).to(self.device))
+            attended += int(mask.any(axis=0).sum())
+            if self.store is not None:
+                self.store.record_selection(
+                    seg.entry, None if plan.scores is None else plan.scores[si],
+                    None if plan.selected is None else plan.selected[si], ids)
+        stats.bytes_needed += attended * self.kv_bytes_per_token_layer
+        kv, d = self.math.n_kv_head, self.math.head_dim
+        if not ks:
+            empty = torch.zeros(kv, 0, d, dtype=self.dtype, device=self.device)
+            return empty, empty, torch.zeros(kv, 0, dtype=torch.bool, device=self.device)
+        return torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(masks, 1)
+
+    def _full_prefix_context(self, segments_nodes, new_kv, stats):
+        """Decode over the whole prefix: reload every chunk (after time to first token)."""
+        kept = []
+        for layer, (k_new, v_new) in enumerate(new_kv):
+            segments = [Segment(n, u, self.store.entry(n, layer)) for n, u in segments_nodes]
+            ks, vs = [], []
+            for seg in segments:
+                ids = seg.all_chunks()
+                rows, _ = tokens_of_chunks(seg, ids)
+                for kind, out in (("k", ks), ("v", vs)):
+                    chunks, _ = self.store.load_chunks(seg.entry, kind, ids, seg.node)
+                    out.append(torch.cat(chunks, 1)[:, torch.from_numpy(rows)]
+                               .to(self.device, self.dtype))
+            keys = torch.cat(ks + [k_new], 1)
+            values = torch.cat(vs + [v_new], 1)
+            kept.append([keys, values, torch.ones(keys.shape[:2], dtype=torch.bool,
+                                                  device=self.device)])
+        return kept
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode_step(self, token: int, position: int, kept) -> torch.Tensor:
+        stats = RequestStats()  # weight timings of decode are not part of the request's TTFT
+        hidden = self._embed([token], position + 1, stats)
+        positions = torch.tensor([[position]], device=self.device)
+        for layer in range(self.math.n_layers):
+            weights = self._weights(1 + 2 * layer, stats)
+            x = hidden.val.data
+            q, k_new, v_new = self.math.qkv(weights, x, positions)
+            ctx = kept[layer]
+            ctx[0] = torch.cat([ctx[0], k_new[0]], dim=1)
+            ctx[1] = torch.cat([ctx[1], v_new[0]], dim=1)
+            ctx[2] = torch.cat([ctx[2], torch.ones(ctx[2].shape[0], 1, dtype=torch.bool,
+                                                   device=self.device)], dim=1)
+            attn = self._attend(q, ctx[0], ctx[1], ctx[2], causal_tail=1)
+            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                       self.compute)
+            self._mlp(2 + 2 * layer, hidden, stats)
+        out_w = self._weights(len(self.model.layers) - 1, stats)
+        return self.math.logits(out_w, hidden.val.data[0, -1:])[0].cpu()
+
+    # -- layer pieces ---------------------------------------------------------------------
+    def _attend(self, q, keys, values, mask, causal_tail: int) -> torch.Tensor:
+        """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
+        head may see; the last `causal_tail` keys are the new tokens themselves (causal)."""
+        s, m = q.shape[2], keys.shape[1]
+        allowed = mask[:, None, :].expand(-1, s, -1).clone()          # (KV, s, m)
+        tail = torch.ones(s, causal_tail, dtype=torch.bool, device=self.device).tril(
+            diagonal=causal_tail - s)
+        allowed[:, :, m - causal_tail:] &= tail
+        group = self.math.n_head // self.math.n_kv_head
+        allowed = allowed.repeat_interleave(group, dim=0)[None]       # (1, H, s, m)
+        work = torch.float32 if self.device.type == "cpu" else q.dtype
+        out = F.scaled_dot_product_attention(
+            q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
+            enable_gqa=group > 1)
+        return out.to(q.dtype)
+
+    def _weights(self, j: int, stats: RequestStats):
+        """Bring layer j's weights to the compute device (FlexGen's placement decides from
+        where) and return them as plain tensors."""
+        t0 = time.perf_counter()
+        layer = self.model.layers[j]
+        layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
+        self.model.env.disk.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.weights_s += time.perf_counter() - t0
+        if j % 2 == 0:
+            return None  # embedding (0) and MLP (even) layers consume their buffer in forward()
+        return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
+
+    def _embed(self, ids, total_len: int, stats) -> ValueHolder:
+        self._weights(0, stats)
+        t0 = time.perf_counter()
+        hidden, mask = ValueHolder(), ValueHolder()
+        hidden.store(TorchTensor.create_from_torch(
+            torch.tensor([ids], dtype=torch.int64, device=self.device), self.compute))
+        mask.store(TorchTensor.create_from_torch(
+            torch.ones(1, total_len, dtype=torch.bool, device=self.device), self.compute))
+        self.model.layers[0].forward(hidden, None, self.model.weight_read_buf[0], mask, None, 0, 0)
+        stats.compute_s += time.perf_counter() - t0
+        return hidden
+
+    def _mlp(self, j: int, hidden: ValueHolder, stats) -> None:
+        self._weights(j, stats)
+        t0 = time.perf_counter()
+        self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
+        stats.compute_s += time.perf_counter() - t0

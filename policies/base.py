@@ -1,0 +1,141 @@
+"""What a serving policy sees and decides, one layer at a time.
+
+Before a layer's prefix KV is loaded, the engine hands the policy a LayerContext: the new
+tokens' queries and keys, the matched prefix as segments of radix nodes, and services to
+read probe keys and chunks. The policy answers with a LayerPlan: which physical chunks of
+K and V to load, and which loaded tokens each KV head attends to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    retention: float = 0.25            # r: fraction of prefix tokens kept
+    granularity: str = "chunk"         # "chunk" (whole chunks) or "token" (the paper)
+    threshold: str = "adaptive"        # "adaptive" (t = j^alpha), "fixed", or "none"
+    threshold_value: float = 0.85      # for "fixed"
+    adaptive_alpha: float = 0.6
+    probe_heads: tuple[int, ...] | None = None  # query heads; None: one per KV group (GQA)
+    #                                             or heads 0, 1, 2 (multi-head models)
+    decode_over: str = "kept"          # decode over the kept set, or "full" prefix
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.retention <= 1:
+            raise ValueError("retention must be in (0, 1]")
+        if self.granularity not in ("chunk", "token"):
+            raise ValueError("granularity must be chunk or token")
+        if self.threshold not in ("adaptive", "fixed", "none"):
+            raise ValueError("threshold must be adaptive, fixed or none")
+        if self.decode_over not in ("kept", "full"):
+            raise ValueError("decode_over must be kept or full")
+
+    def budget(self, n: int) -> int:
+        """k = ceil(r * n) tokens of an n-token prefix."""
+        return min(n, max(1, math.ceil(self.retention * n)))
+
+
+def default_probe_heads(n_head: int, n_kv_head: int, count: int = 3) -> tuple[int, ...]:
+    """One probe per KV group on grouped-query models; heads 0..count-1 otherwise."""
+    if n_kv_head < n_head:
+        group = n_head // n_kv_head
+        return tuple(range(0, n_head, group))
+    return tuple(range(min(count, n_head)))
+
+
+@dataclasses.dataclass
+class Segment:
+    """A matched radix node: its first `used` logical tokens belong to the prefix."""
+
+    node: object          # radix.RadixNode
+    used: int
+    entry: object         # store.LayerEntry of this layer
+
+    @property
+    def start(self) -> int:
+        return self.node.start
+
+    def logical_to_chunk(self) -> np.ndarray:
+        """Physical chunk of each of the first `used` logical tokens."""
+        e = self.entry
+        phys = np.arange(e.layout.n_tokens) if e.mapping is None else np.argsort(e.mapping)
+        return phys[: self.used] // e.layout.chunk_size
+
+    def all_chunks(self) -> np.ndarray:
+        return np.unique(self.logical_to_chunk())
+
+
+@dataclasses.dataclass
+class LayerContext:
+    layer: int
+    q: torch.Tensor                 # (H, s, d) float32 queries of the new tokens
+    k_new: torch.Tensor             # (KV, s, d) float32 keys of the new tokens
+    segments: list[Segment]
+    config: ServingConfig
+    probe_heads: tuple[int, ...]    # query heads that probe
+    probe_kv_heads: tuple[int, ...] # KV heads held by the probe copy, in its order
+    read_probe: Callable[[], torch.Tensor]                       # (n_probe_kv, n, d), logical
+    load: Callable[[str, int, np.ndarray], list[torch.Tensor]]  # kind, segment, chunk ids
+
+    @property
+    def n_prefix(self) -> int:
+        return sum(s.used for s in self.segments)
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[0] // self.k_new.shape[0]
+
+    def split(self, values: np.ndarray) -> list[np.ndarray]:
+        """A per-prefix-token array -> one array per segment."""
+        bounds = np.cumsum([0] + [s.used for s in self.segments])
+        return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    chunks_k: list[np.ndarray]             # per segment: physical chunk ids of K to load
+    chunks_v: list[np.ndarray]             # per segment: physical chunk ids of V to load
+    attend: list[np.ndarray | None]        # per segment: (KV, used) bool, None: every loaded token
+    fallback: bool = False                 # ITF fell back to loading the whole layer
+    jaccard: float | None = None
+    scores: list[np.ndarray] | None = None     # per segment, per logical token: importance
+    selected: list[np.ndarray] | None = None   # per segment, per logical token: kept?
+
+    @classmethod
+    def everything(cls, segments: list[Segment]) -> "LayerPlan":
+        chunks = [s.all_chunks() for s in segments]
+        return cls(chunks, chunks, [None] * len(segments))
+
+
+class ServingPolicy:
+    """Base class: a policy is a name, a few switches, and plan_layer()."""
+
+    name = "base"
+    reuse = True              # match and load stored prefix KV (False: recompute it)
+    store_new = True          # insert newly computed prefix KV into the store
+    tier_policy = "lru"       # "lru", "lfu" or "score" for the GPU/CPU tiers
+    reorder = False           # background importance reordering of the store
+
+    def __init__(self, config: ServingConfig = ServingConfig()):
+        self.config = config
+
+    def plan_layer(self, ctx: LayerContext) -> LayerPlan:
+        return LayerPlan.everything(ctx.segments)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tier_policy": self.tier_policy, "reorder": self.reorder}
+
+
+def tokens_of_chunks(seg: Segment, chunk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For chunks concatenated in `chunk_ids` order: which rows hold prefix tokens (logical
+    position < used), and those tokens' logical positions."""
+    logical = seg.entry.logical_positions(np.asarray(chunk_ids, dtype=np.int64))
+    rows = np.flatnonzero(logical < seg.used)
+    return rows, logical[rows]

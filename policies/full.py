@@ -1,0 +1,14 @@
+"""Load the whole stored prefix: `full` (the accuracy reference) and `as_like`
+(AttentionStore-like: everything through LRU tiers)."""
+from __future__ import annotations
+
+from .base import ServingPolicy
+
+
+class Full(ServingPolicy):
+    name = "full"
+
+
+class AsLike(ServingPolicy):
+    name = "as_like"
+    tier_policy = "lru"

@@ -1,0 +1,59 @@
+"""IMPRESS: ITF before each layer's KV load, selective chunk loading, reorder, score tiers.
+
+Ablation switches (the paper's Fig. 18): `itf` = ITF with LRU tiers; `itf_ro` = + background
+importance reordering; `all` = + score-based tiers. Granularity `token` is the paper's
+(the k voted tokens; every chunk holding one is read); `chunk` selects whole chunks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import LayerContext, LayerPlan, ServingConfig, ServingPolicy
+from .itf import (chunk_selection, mean_pairwise_jaccard, probe_scores, threshold, top_k_sets,
+                  vote)
+
+ABLATIONS = {"itf": ("lru", False), "itf_ro": ("lru", True), "all": ("score", True)}
+
+
+class Impress(ServingPolicy):
+    name = "impress"
+
+    def __init__(self, config: ServingConfig = ServingConfig(), ablation: str = "all"):
+        super().__init__(config)
+        if ablation not in ABLATIONS:
+            raise ValueError(f"ablation must be one of {', '.join(ABLATIONS)}")
+        self.ablation = ablation
+        self.tier_policy, self.reorder = ABLATIONS[ablation]
+
+    def plan_layer(self, ctx: LayerContext) -> LayerPlan:
+        cfg = self.config
+        n = ctx.n_prefix
+        k = cfg.budget(n)
+        scores = probe_scores(ctx)                      # (P, n)
+        member = top_k_sets(scores, k)
+        jaccard = mean_pairwise_jaccard(member)
+        summed = scores.sum(0).numpy()
+        if k >= n or jaccard < threshold(cfg, k, n):
+            plan = LayerPlan.everything(ctx.segments)
+            plan.fallback, plan.jaccard = k < n, jaccard
+            plan.scores, plan.selected = ctx.split(summed), ctx.split(np.ones(n, bool))
+            return plan
+        if cfg.granularity == "token":
+            keep = vote(member, scores, k).numpy()
+            chunks = [np.unique(seg.logical_to_chunk()[sel])
+                      for seg, sel in zip(ctx.segments, ctx.split(keep))]
+            n_kv = ctx.k_new.shape[0]
+            attend = [np.broadcast_to(sel, (n_kv, len(sel))) for sel in ctx.split(keep)]
+            return LayerPlan(chunks, chunks, attend, jaccard=jaccard,
+                             scores=ctx.split(summed), selected=ctx.split(keep))
+        chunks = chunk_selection(ctx, summed, k)
+        selected = [np.isin(seg.logical_to_chunk(), ch) for seg, ch in zip(ctx.segments, chunks)]
+        return LayerPlan(chunks, chunks, [None] * len(chunks), jaccard=jaccard,
+                         scores=ctx.split(summed), selected=selected)
+
+    def describe(self) -> dict:
+        c = self.config
+        return {**super().describe(), "ablation": self.ablation, "retention": c.retention,
+                "granularity": c.granularity, "threshold": c.threshold,
+                "threshold_value": c.threshold_value if c.threshold == "fixed" else None,
+                "adaptive_alpha": c.adaptive_alpha if c.threshold == "adaptive" else None}
