@@ -1,0 +1,134 @@
+"""Shared pieces of the serving experiments: configurations, running a workload, KL."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from impress_flexgen.engine import Engine, Request, TierSizes, model_shape, open_store
+from impress_flexgen.runtime import Runtime
+from impress_flexgen.workload import Workload
+from policies import ServingConfig, make_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One row of a comparison: a policy and every knob that shapes its result."""
+
+    label: str
+    policy: str
+    retention: float = 0.25
+    granularity: str = "chunk"
+    threshold: str = "adaptive"
+    threshold_value: float = 0.85
+    adaptive_alpha: float = 0.6
+    probe_heads: tuple[int, ...] | None = None
+    probe_format: str = "int4"
+    chunk_size: int = 16
+    decode_over: str = "kept"
+
+    def serving(self) -> ServingConfig:
+        return ServingConfig(retention=self.retention, granularity=self.granularity,
+                             threshold=self.threshold, threshold_value=self.threshold_value,
+                             adaptive_alpha=self.adaptive_alpha, probe_heads=self.probe_heads,
+                             decode_over=self.decode_over)
+
+
+def kv_bytes_per_token(runtime: Runtime) -> int:
+    shape = model_shape(runtime.spec)
+    return 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * 2
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q), both (positions, vocab) logits."""
+    logp = torch.log_softmax(p_logits.double(), -1)
+    logq = torch.log_softmax(q_logits.double(), -1)
+    return float((logp.exp() * (logp - logq)).sum(-1).mean())
+
+
+def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes,
+                 store_root: Path | None = None, reference: dict | None = None,
+                 max_new_tokens: int = 1, progress=None) -> dict:
+    """Serve the workload with one configuration on a fresh store; returns a result row.
+
+    Each prefix is first served cold (computed and inserted), then its warm-up queries run
+    (their importance feeds the store); policies with reordering reorder then. Only the
+    measured queries count. `reference` maps query index -> full-KV query logits (for KL);
+    pass an empty dict to fill it.
+    """
+    cfg = run.serving()
+    policy = make_policy(run.policy, cfg)
+    tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
+    store = None
+    try:
+        if policy.reuse:
+            store = open_store(tmp, runtime, cfg, policy, chunk_size=run.chunk_size,
+                               probe_format=run.probe_format, reorder_interval=10**9)
+        engine = Engine(runtime, store, policy, tiers)
+        for p, prefix in enumerate(workload.prefixes):
+            engine.serve(Request(prefix, [prefix[-1]], 1))
+        for p, query in workload.warmup:
+            engine.serve(Request(workload.prefixes[p], query, 1))
+        if store is not None:
+            if policy.reorder:
+                store.reorder_now()
+            store.cache.reset_metrics()
+        rows, kls = [], []
+        for qi, (p, query) in enumerate(workload.queries):
+            resp = engine.serve(Request(workload.prefixes[p], query, max_new_tokens),
+                                query_logits=True)
+            rows.append(resp.stats)
+            if reference is not None:
+                if qi in reference:
+                    kls.append(kl_divergence(reference[qi], resp.query_logits))
+                else:
+                    reference[qi] = resp.query_logits
+            if progress is not None:
+                progress.update(1)
+        return summarize(run, policy, rows, kls, store, runtime)
+    finally:
+        if store is not None:
+            store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def summarize(run: RunConfig, policy, rows, kls, store, runtime) -> dict:
+    ttft = np.array([r.ttft_s for r in rows])
+    prefix_bytes = sum(r.prefix_bytes for r in rows)
+    loaded = {t: int(sum(r.bytes_read[t] for r in rows)) for t in ("gpu", "cpu", "disk")}
+    probe = int(sum(r.probe_bytes for r in rows))
+    layers = sum(r.layers for r in rows if r.matched_tokens)
+    gpu = store.cache.metrics["gpu"] if store is not None else {"hits": 0, "misses": 0}
+    accesses = gpu["hits"] + gpu["misses"]
+    return {
+        "policy": policy.name,
+        "label": run.label,
+        "config": {**dataclasses.asdict(run), **policy.describe()},
+        "queries": len(rows),
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "ttft_breakdown_s": {k: float(np.mean([getattr(r, k) for r in rows]))
+                             for k in ("match_s", "weights_s", "probe_s", "select_s", "load_s",
+                                       "compute_s")},
+        "io_time_s": float(np.mean([r.io_s for r in rows])),
+        "store_s": float(np.mean([r.store_s for r in rows])),
+        "prefix_bytes_total": int(prefix_bytes),
+        "bytes_read": loaded,
+        "probe_bytes": probe,
+        "bytes_loaded_fraction": (sum(loaded.values()) + probe) / prefix_bytes
+        if prefix_bytes else 0.0,
+        "read_amplification": (sum(loaded.values()) + probe) / max(1, sum(r.bytes_needed
+                                                                           for r in rows)),
+        "chunks_read": int(sum(r.chunks_read for r in rows)),
+        "fallback_rate": sum(r.layers_fallback for r in rows) / layers if layers else 0.0,
+        "gpu_hit_ratio": gpu["hits"] / accesses if accesses else 0.0,
+        "kl": float(np.mean(kls)) if kls else None,
+        "kl_median": float(np.median(kls)) if kls else None,
+        "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
+        "reorders": store.metrics.reorders if store is not None else 0,
+    }
+
