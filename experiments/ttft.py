@@ -20,7 +20,7 @@ from impress_flexgen.engine import TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.workload import WorkloadConfig, build_workload
 
-from .common import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.serving import RunConfig, kv_bytes_per_token, run_workload
 
 
 def default_runs(retention: float, chunk_size: int) -> list[RunConfig]:
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
         with tqdm(total=len(runs) * len(wl.queries), desc="requests", unit="req") as bar:
             for run in runs:
-                results.append(run_workload(rt, wl, run, tiers, root, reference, progress=bar))
+                results.append(run_workload(rt, wl, run, tiers, store_root=root, reference=reference,
+                                            progress=bar))
     by = {r["label"]: r for r in results}
     base = by.get("as_like")
     for r in results:

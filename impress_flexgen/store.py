@@ -295,9 +295,21 @@ class PrefixStore:
         return self.stats[(entry.node_id, entry.layer)]
 
     # -- reading ------------------------------------------------------------------------
-    def _read(self, node_or_id, entry: LayerEntry, extents):
+    def _read(self, node_or_id, entry: LayerEntry, extents, checks=None, describe=None,
+              runs: bool = False):
+        """Read extents of `entry`'s file: one memoryview each, or (runs=True) the reader's
+        Run buffers. checks: per extent (payload_len, crc32), verified by the reader threads
+        as the reads complete; a mismatch (described by describe(extent index)), a short
+        file or a missing one raises CorruptNode."""
+        from disk_layout.io import ChecksumMismatch
+
         try:
-            return self.reader.read(entry.path, extents)
+            if runs:
+                return self.reader.read_runs(entry.path, extents, checks)
+            return self.reader.read(entry.path, extents, checks)
+        except ChecksumMismatch as exc:
+            detail = describe(exc.index) if describe else f"{entry.path}: {exc}"
+            raise CorruptNode(self._node(node_or_id, entry), detail) from None
         except (ShortRead, FileNotFoundError) as exc:
             raise CorruptNode(self._node(node_or_id, entry), f"{entry.path}: {exc}") from None
 
@@ -310,33 +322,53 @@ class PrefixStore:
     def read_probe(self, entry: LayerEntry, node=None) -> torch.Tensor:
         """The probe heads' keys for every token of the node, float32, physical order."""
         lay = entry.layout
-        (buf,) = self._read(node, entry, [(0, lay.probe_stride)])
-        payload = buf[:lay.probe_bytes]
-        if crc32(payload) != int(entry.crcs[0]):
-            raise CorruptNode(self._node(node, entry), f"probe keys of layer {entry.layer}: "
-                                                       "CRC mismatch")
+        (buf,) = self._read(node, entry, [(0, lay.probe_stride)],
+                            checks=[(lay.probe_bytes, int(entry.crcs[0]))],
+                            describe=lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
         self.metrics.probe_bytes_read += lay.probe_stride
-        return decode_probe(payload, lay.probe_format,
+        return decode_probe(buf[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
-        """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each."""
+        """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each.
+
+        The tensors are views of the buffers the reads landed in (no copy): writable, and
+        each keeps its run of adjacent chunks in memory while it lives (the tiers copy).
+        """
+        from disk_layout.io import Extents
+
         lay = entry.layout
-        ids = [int(i) for i in chunk_ids]
-        extents = [(lay.chunk_offset(kind, i), lay.chunk_stride) for i in ids]
-        order = np.argsort([e[0] for e in extents], kind="stable")
-        bufs = self._read(node, entry, [extents[i] for i in order])
-        out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-        for j, i in enumerate(order):
-            payload = bufs[j][:lay.chunk_bytes]
-            if crc32(payload) != entry.crc(kind, ids[i]):
-                self.metrics.corruptions += 1
-                raise CorruptNode(self._node(node, entry),
-                                  f"layer {entry.layer} {kind.upper()} chunk {ids[i]}: CRC mismatch")
-            out[i] = chunk_tensor(payload, lay)
+        ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
+        if len(ids) == 0:
+            return []
+        if ids.min() < 0 or ids.max() >= lay.n_chunks:
+            raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        stride = lay.chunk_stride
+        first_crc = 1 + (0 if kind == "k" else lay.n_chunks)
+        extents = Extents(lay.chunk_offset(kind, 0) + sorted_ids * stride, stride,
+                          lay.chunk_bytes, entry.crcs[first_crc + sorted_ids])
+
+        def describe(j: int) -> str:
+            self.metrics.corruptions += 1
+            return f"layer {entry.layer} {kind.upper()} chunk {int(sorted_ids[j])}: CRC mismatch"
+
+        runs = self._read(node, entry, extents, describe=describe, runs=True)
+        shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
+        chunks: list[torch.Tensor] = []
+        for run in runs:
+            m = len(run.members)
+            payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(torch.float16)
+            chunks.extend(payload.view(m, *shape).unbind(0))
+        if np.any(order[1:] < order[:-1]):
+            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+            for j, i in enumerate(order.tolist()):
+                out[i] = chunks[j]
+            chunks = out
         self.metrics.chunks_read += len(ids)
-        self.metrics.bytes_read += len(ids) * lay.chunk_stride
-        return out
+        self.metrics.bytes_read += len(ids) * stride
+        return chunks
 
     def load_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None,
                     ratios=None) -> tuple[list[torch.Tensor], dict[str, int]]:

@@ -30,6 +30,12 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     (["--model", "opt-tiny", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["--model", "opt-tiny", "--prompt-ids", "1,99999999"], "outside the vocabulary"),
     (["--model", "opt-tiny", "--dtype", "fp32"], "fp16"),
+    (["--policy", "magic"], "unknown policy"),
+    (["--compare", "full,nope"], "unknown policy"),
+    (["--retention", "0"], "retention"),
+    (["--granularity", "word"], "invalid choice"),
+    (["--prefixes", "0"], "at least 1"),
+    (["--gpu-cache-gb", "-1"], "must not be negative"),
 ])
 def test_run_bad_input_is_one_line_exit_2(args, message):
     r = _cli("impress_flexgen.run", *args)
@@ -50,8 +56,11 @@ def test_help_lists_every_option():
     r = _cli("impress_flexgen.run", "--help")
     assert r.returncode == 0
     for flag in ("--model", "--model-path", "--prompt", "--prompt-ids", "--max-new-tokens",
-                 "--placement", "--no-overlap", "--compress-weight", "--offload-dir", "--seed",
-                 "--dtype", "--json"):
+                 "--placement", "--offload-dir", "--seed", "--dtype", "--json", "--policy",
+                 "--compare", "--check", "--retention", "--granularity", "--threshold",
+                 "--chunk-size", "--reorder-interval", "--gpu-cache-gb", "--cpu-cache-gb",
+                 "--disk-capacity-gb", "--store-dir", "--prefixes", "--prefix-tokens",
+                 "--queries", "--query-tokens", "--distribution", "--quick"):
         assert flag in r.stdout
 
 
@@ -73,3 +82,30 @@ def test_run_unwritable_json_is_a_user_error(tmp_path):
     r = _cli("impress_flexgen.run", "--model", "opt-tiny", "--prompt-ids", "5,6",
              "--max-new-tokens", "1", "--json", str(blocker / "x.json"))
     assert r.returncode == 2 and "cannot write" in r.stderr
+
+
+def test_main_job_serves_compares_and_reuses_its_store(tmp_path, capsys):
+    store = tmp_path / "stores"
+    out = tmp_path / "serve.json"
+    argv = ["--model", "llama-tiny", "--quick", "--compare", "as_like,impress", "--check",
+            "--store-dir", str(store), "--json", str(out), "--max-new-tokens", "2",
+            "--offload-dir", str(tmp_path / "off")]
+    assert run.main(argv) == 0
+    first = json.loads(out.read_text())
+    labels = [r["label"] for r in first["results"]]
+    assert labels == ["full", "as_like", "impress"]
+    for r in first["results"]:
+        assert r["queries"] == 4 and r["ttft_mean_s"] > 0 and r["prefix_bytes_total"] > 0
+    assert first["results"][1]["kl"] is not None
+    capsys.readouterr()
+    assert run.main(argv) == 0
+    assert "reusing the store left by an earlier run" in capsys.readouterr().out
+
+
+def test_main_job_refuses_a_foreign_store_dir(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("...")
+    r = _cli("impress_flexgen.run", "--model", "llama-tiny", "--quick", "--store-dir", str(foreign))
+    assert r.returncode == 2 and "not made by impress_flexgen" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

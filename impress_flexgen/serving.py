@@ -1,4 +1,8 @@
-"""Shared pieces of the serving experiments: configurations, running a workload, KL."""
+"""Serving a workload with one configuration, and summarising what happened.
+
+Used by the main job (`python -m impress_flexgen.run`) and by the experiments, so that a
+row of a benchmark and a run of the product are measured the same way.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, model_shape, open_store
-from impress_flexgen.runtime import Runtime
-from impress_flexgen.workload import Workload
 from policies import ServingConfig, make_policy
+
+from .engine import Engine, Request, TierSizes, model_shape, open_store
+from .runtime import Runtime
+from .workload import Workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,34 +55,43 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((logp.exp() * (logp - logq)).sum(-1).mean())
 
 
-def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes,
-                 store_root: Path | None = None, reference: dict | None = None,
-                 max_new_tokens: int = 1, progress=None) -> dict:
-    """Serve the workload with one configuration on a fresh store; returns a result row.
+def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
+                 store_dir: Path | None = None, store_root: Path | None = None,
+                 reference: dict | None = None, max_new_tokens: int = 1,
+                 disk_capacity_bytes: int | None = None, reorder_interval: int | None = None,
+                 progress=None, on_response=None) -> dict:
+    """Serve the workload with one configuration; returns a result row.
 
-    Each prefix is first served cold (computed and inserted), then its warm-up queries run
-    (their importance feeds the store); policies with reordering reorder then. Only the
-    measured queries count. `reference` maps query index -> full-KV query logits (for KL);
-    pass an empty dict to fill it.
+    Each prefix is first served once (computed and inserted, unless already stored), then
+    its warm-up queries run (their importance feeds the store). With `reorder_interval`
+    None, policies with reordering reorder once after the warm-up (a benchmark sees a
+    settled layout); otherwise the store reorders in the background every that many
+    queries. Only the measured queries count. `reference` maps query index -> full-KV
+    query logits for KL; an empty dict is filled. `store_dir` keeps the store (reused by
+    the next run); without it a temporary store under `store_root` is removed at the end.
     """
     cfg = run.serving()
     policy = make_policy(run.policy, cfg)
-    tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
+    tmp = None
+    if store_dir is None:
+        tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
     store = None
     try:
         if policy.reuse:
-            store = open_store(tmp, runtime, cfg, policy, chunk_size=run.chunk_size,
-                               probe_format=run.probe_format, reorder_interval=10**9)
+            store = open_store(store_dir or tmp, runtime, cfg, policy, chunk_size=run.chunk_size,
+                               probe_format=run.probe_format,
+                               disk_capacity_bytes=disk_capacity_bytes,
+                               reorder_interval=reorder_interval or 10**9)
         engine = Engine(runtime, store, policy, tiers)
-        for p, prefix in enumerate(workload.prefixes):
+        for prefix in workload.prefixes:
             engine.serve(Request(prefix, [prefix[-1]], 1))
         for p, query in workload.warmup:
             engine.serve(Request(workload.prefixes[p], query, 1))
         if store is not None:
-            if policy.reorder:
+            if policy.reorder and reorder_interval is None:
                 store.reorder_now()
             store.cache.reset_metrics()
-        rows, kls = [], []
+        rows, kls, top1 = [], [], []
         for qi, (p, query) in enumerate(workload.queries):
             resp = engine.serve(Request(workload.prefixes[p], query, max_new_tokens),
                                 query_logits=True)
@@ -85,18 +99,23 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
             if reference is not None:
                 if qi in reference:
                     kls.append(kl_divergence(reference[qi], resp.query_logits))
+                    top1.append(float((reference[qi].argmax(-1) ==
+                                       resp.query_logits.argmax(-1)).float().mean()))
                 else:
                     reference[qi] = resp.query_logits
+            if on_response is not None:
+                on_response(qi, p, query, resp)
             if progress is not None:
                 progress.update(1)
-        return summarize(run, policy, rows, kls, store, runtime)
+        return summarize(run, policy, rows, kls, top1, store)
     finally:
         if store is not None:
             store.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def summarize(run: RunConfig, policy, rows, kls, store, runtime) -> dict:
+def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     ttft = np.array([r.ttft_s for r in rows])
     prefix_bytes = sum(r.prefix_bytes for r in rows)
     loaded = {t: int(sum(r.bytes_read[t] for r in rows)) for t in ("gpu", "cpu", "disk")}
@@ -128,6 +147,9 @@ def summarize(run: RunConfig, policy, rows, kls, store, runtime) -> dict:
         "gpu_hit_ratio": gpu["hits"] / accesses if accesses else 0.0,
         "kl": float(np.mean(kls)) if kls else None,
         "kl_median": float(np.median(kls)) if kls else None,
+        "top1_agreement": float(np.mean(top1)) if top1 else None,
+        "tiers": store.cache.metrics if store is not None else None,
+        "store_metrics": dataclasses.asdict(store.metrics) if store is not None else None,
         "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
         "reorders": store.metrics.reorders if store is not None else 0,
     }
