@@ -30,12 +30,16 @@ def default_runs(retention: float, chunk_size: int) -> list[RunConfig]:
         RunConfig("as_like", "as_like", chunk_size=chunk_size),
         RunConfig("as_h2o_lru", "as_h2o_lru", retention, chunk_size=chunk_size),
         RunConfig("as_h2o_lfu", "as_h2o_lfu", retention, chunk_size=chunk_size),
-        # Ours: whole chunks on an importance-reordered layout, one probe per KV group,
-        # int4 probe copy, score-based tiers.
-        RunConfig("impress", "impress:all", retention, granularity="chunk",
-                  threshold="adaptive", probe_format="int4", chunk_size=chunk_size),
+        # Ours: whole chunks ranked by every head's probe scores on an importance-reordered
+        # layout, int4 probe copy, score-based tiers, no fallback.
+        RunConfig("impress", "impress:all", retention, granularity="chunk", threshold="none",
+                  probe_heads="auto", probe_format="int4", chunk_size=chunk_size),
+        # The same with the paper's agreement test (adaptive threshold): fewer risks, more bytes.
+        RunConfig("impress-adaptive", "impress:all", retention, granularity="chunk",
+                  threshold="adaptive", probe_heads="auto", probe_format="int4",
+                  chunk_size=chunk_size),
         # The paper's mechanism: voted tokens, every chunk holding one is read; heads 0, 1, 2;
-        # fp16 probe copy; 64-token chunks.
+        # fp16 probe copy; 64-token chunks; adaptive agreement threshold.
         RunConfig("impress-token (paper)", "impress:all", retention, granularity="token",
                   threshold="adaptive", probe_heads=(0, 1, 2), probe_format="fp16",
                   chunk_size=64),

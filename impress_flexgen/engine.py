@@ -30,7 +30,7 @@ from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
 from policies import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
-from policies.base import default_probe_heads, tokens_of_chunks
+from policies.base import resolve_probe_heads, tokens_of_chunks
 
 from .errors import UserError
 from .models.base import dense
@@ -148,9 +148,10 @@ def model_shape(spec) -> ModelShape:
 def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(probe query heads, KV heads whose keys the store's probe copy holds)."""
     m = FamilyMath(spec)
-    heads = config.probe_heads or default_probe_heads(m.n_head, m.n_kv_head)
-    if any(h >= m.n_head for h in heads):
-        raise UserError(f"probe heads {heads} exceed the model's {m.n_head} heads")
+    try:
+        heads = resolve_probe_heads(config.probe_heads, m.n_head, m.n_kv_head, config.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     group = m.n_head // m.n_kv_head
     return tuple(heads), tuple(sorted({h // group for h in heads}))
 

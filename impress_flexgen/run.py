@@ -38,8 +38,12 @@ def parse_args(argv):
     g.add_argument("--retention", type=float, default=0.25, help="fraction of prefix kept (0.25)")
     g.add_argument("--granularity", choices=("chunk", "token"), default="chunk",
                    help="select whole chunks (default) or tokens as the paper does")
-    g.add_argument("--threshold", choices=("adaptive", "fixed", "none"), default="adaptive",
-                   help="probe-head agreement test before trusting a selection")
+    g.add_argument("--threshold", choices=("adaptive", "fixed", "none"), default="none",
+                   help="probe-head agreement test; a failed layer loads its whole prefix "
+                        "(default none: see the README's sensitivity table)")
+    g.add_argument("--probe-heads", default="auto",
+                   help="auto (all heads on grouped-query models, 0,1,2 otherwise), all, group "
+                        "(one per KV group), first:K, random:K, fraction:F, or ids like 0,3,6")
     g.add_argument("--threshold-value", type=float, default=0.85, help="for --threshold fixed")
     g.add_argument("--adaptive-alpha", type=float, default=0.6, help="t = j^alpha (adaptive)")
     g.add_argument("--chunk-size", type=int, default=16, help="tokens per chunk, 16-256 (16)")
@@ -145,8 +149,8 @@ def serve(rt, args) -> int:
     with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req") as bar:
         for name in names:
             run = RunConfig(name, name, args.retention, args.granularity, args.threshold,
-                            args.threshold_value, args.adaptive_alpha, None, args.probe_format,
-                            args.chunk_size)
+                            args.threshold_value, args.adaptive_alpha, args.probe_heads,
+                            args.probe_format, args.chunk_size)
             store_dir = root / _store_name(name, args)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")

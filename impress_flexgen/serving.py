@@ -28,10 +28,10 @@ class RunConfig:
     policy: str
     retention: float = 0.25
     granularity: str = "chunk"
-    threshold: str = "adaptive"
+    threshold: str = "none"
     threshold_value: float = 0.85
     adaptive_alpha: float = 0.6
-    probe_heads: tuple[int, ...] | None = None
+    probe_heads: str | tuple[int, ...] = "auto"
     probe_format: str = "int4"
     chunk_size: int = 16
     decode_over: str = "kept"

@@ -19,11 +19,10 @@ import torch
 class ServingConfig:
     retention: float = 0.25            # r: fraction of prefix tokens kept
     granularity: str = "chunk"         # "chunk" (whole chunks) or "token" (the paper)
-    threshold: str = "adaptive"        # "adaptive" (t = j^alpha), "fixed", or "none"
+    threshold: str = "none"            # "adaptive" (t = j^alpha), "fixed", or "none"
     threshold_value: float = 0.85      # for "fixed"
     adaptive_alpha: float = 0.6
-    probe_heads: tuple[int, ...] | None = None  # query heads; None: one per KV group (GQA)
-    #                                             or heads 0, 1, 2 (multi-head models)
+    probe_heads: str | tuple[int, ...] = "auto"  # see resolve_probe_heads
     decode_over: str = "kept"          # decode over the kept set, or "full" prefix
     seed: int = 0
 
@@ -42,12 +41,40 @@ class ServingConfig:
         return min(n, max(1, math.ceil(self.retention * n)))
 
 
-def default_probe_heads(n_head: int, n_kv_head: int, count: int = 3) -> tuple[int, ...]:
-    """One probe per KV group on grouped-query models; heads 0..count-1 otherwise."""
-    if n_kv_head < n_head:
+def resolve_probe_heads(spec, n_head: int, n_kv_head: int, seed: int = 0) -> tuple[int, ...]:
+    """Which query heads probe.
+
+    "auto": every head on grouped-query models (the probe copy must hold every KV head for
+    one probe per group anyway, so the other heads of each group probe for free); heads
+    0, 1, 2 on multi-head models (the paper). "all"; "group": the first head of each KV
+    group; "first:K" / "random:K": K heads, the first or seeded random; "fraction:F": the
+    first ceil(F * heads); or explicit ids, "0,3,6" or a tuple.
+    """
+    if isinstance(spec, (tuple, list)):
+        heads = tuple(int(h) for h in spec)
+    else:
+        kind, _, arg = str(spec).partition(":")
         group = n_head // n_kv_head
-        return tuple(range(0, n_head, group))
-    return tuple(range(min(count, n_head)))
+        if kind == "auto":
+            heads = tuple(range(n_head)) if group > 1 else tuple(range(min(3, n_head)))
+        elif kind == "all":
+            heads = tuple(range(n_head))
+        elif kind == "group":
+            heads = tuple(range(0, n_head, group))
+        elif kind in ("first", "random", "fraction"):
+            count = math.ceil(float(arg) * n_head) if kind == "fraction" else int(arg)
+            count = max(1, min(n_head, count))
+            heads = tuple(range(count)) if kind != "random" else tuple(sorted(
+                np.random.default_rng(seed).choice(n_head, count, replace=False).tolist()))
+        else:
+            try:
+                heads = tuple(int(h) for h in str(spec).split(","))
+            except ValueError:
+                raise ValueError(f"probe heads '{spec}': use auto, all, group, first:K, "
+                                 "random:K, fraction:F or comma-separated ids") from None
+    if not heads or any(not 0 <= h < n_head for h in heads):
+        raise ValueError(f"probe heads {heads} must lie in 0..{n_head - 1}")
+    return heads
 
 
 @dataclasses.dataclass
