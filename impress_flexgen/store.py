@@ -167,6 +167,7 @@ class PrefixStore:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._lock_directory()
         self.lock = threading.RLock()
+        self._reorder_lock = threading.Lock()
         self.metrics = StoreMetrics()
         self.tree = RadixTree(config.chunk_size)
         self.stats: dict[tuple[int, int], LayerStats] = {}
@@ -683,6 +684,22 @@ class PrefixStore:
         Copy-on-write: the new version is written and fsynced outside the lock, then the
         metadata switches in one transaction; readers holding the old entry are unaffected.
         """
+        # One reorder at a time (background and on-demand ones would race on the same
+        # versions), and the node pinned like a request: nothing deletes the files we read.
+        with self._reorder_lock:
+            with self.lock:
+                if not node.live:
+                    return 0
+                node.lock_count += 1
+            try:
+                return self._reorder_pinned(node, layers)
+            finally:
+                with self.lock:
+                    node.lock_count -= 1
+                    if node.lock_count == 0:
+                        self._delete_retired(node)
+
+    def _reorder_pinned(self, node: RadixNode, layers) -> int:
         done = 0
         for layer in (range(self.shape.n_layers) if layers is None else layers):
             with self.lock:
@@ -718,8 +735,6 @@ class PrefixStore:
                 node.retired_files.append(old.path)
                 if self.cache is not None:
                     self.cache.invalidate_version(node.id, layer, old.version)
-                if node.lock_count == 0:
-                    self._delete_retired(node)
                 self.metrics.reorders += 1
                 done += 1
         return done
