@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from disk_layout.format import (LayerFileLayout, chunk_payload, chunk_tensor, crc32,
+from disk_layout.format import (LayerFileLayout, chunk_payload, crc32,
                                 decode_probe, encode_probe, probe_supported)
 from disk_layout.io import DiskReader, ShortRead, write_durable
 from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata
