@@ -123,10 +123,3 @@ def chunk_payload(kv: torch.Tensor, index: int, chunk_size: int) -> bytes:
     """kv: (heads, n_tokens, head_dim) fp16 in physical order -> bytes of chunk `index`."""
     part = kv[:, index * chunk_size:(index + 1) * chunk_size, :]
     return part.contiguous().numpy().tobytes()
-
-
-def chunk_tensor(buf, layout: LayerFileLayout) -> torch.Tensor:
-    """Bytes of one chunk payload -> (heads, C, head_dim) fp16 tensor (copied, writable)."""
-    arr = np.frombuffer(buf, dtype=np.float16, count=layout.chunk_bytes // 2)
-    return torch.from_numpy(arr.copy()).view(layout.n_kv_heads, layout.chunk_size,
-                                             layout.head_dim)
