@@ -84,16 +84,19 @@ class Segment:
     node: object          # radix.RadixNode
     used: int
     entry: object         # store.LayerEntry of this layer
+    _chunk_of: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property
     def start(self) -> int:
         return self.node.start
 
     def logical_to_chunk(self) -> np.ndarray:
-        """Physical chunk of each of the first `used` logical tokens."""
-        e = self.entry
-        phys = np.arange(e.layout.n_tokens) if e.mapping is None else np.argsort(e.mapping)
-        return phys[: self.used] // e.layout.chunk_size
+        """Physical chunk of each of the first `used` logical tokens (computed once)."""
+        if self._chunk_of is None:
+            e = self.entry
+            phys = np.arange(e.layout.n_tokens) if e.mapping is None else np.argsort(e.mapping)
+            self._chunk_of = phys[: self.used] // e.layout.chunk_size
+        return self._chunk_of
 
     def all_chunks(self) -> np.ndarray:
         return np.unique(self.logical_to_chunk())

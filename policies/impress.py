@@ -30,10 +30,11 @@ class Impress(ServingPolicy):
         n = ctx.n_prefix
         k = cfg.budget(n)
         scores = probe_scores(ctx)                      # (P, n)
-        member = top_k_sets(scores, k)
-        jaccard = mean_pairwise_jaccard(member)
         summed = scores.sum(0).numpy()
-        if k >= n or jaccard < threshold(cfg, k, n):
+        test = cfg.threshold != "none" or cfg.granularity == "token"
+        member = top_k_sets(scores, k) if test else None
+        jaccard = mean_pairwise_jaccard(member) if test else None
+        if k >= n or (jaccard is not None and jaccard < threshold(cfg, k, n)):
             plan = LayerPlan.everything(ctx.segments)
             plan.fallback, plan.jaccard = k < n, jaccard
             plan.scores, plan.selected = ctx.split(summed), ctx.split(np.ones(n, bool))

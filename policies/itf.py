@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -47,12 +46,13 @@ def top_k_sets(scores: torch.Tensor, k: int) -> torch.Tensor:
 def mean_pairwise_jaccard(member: torch.Tensor) -> float:
     if member.shape[0] < 2:
         return 1.0
-    values = []
-    for a, b in itertools.combinations(range(member.shape[0]), 2):
-        inter = (member[a] & member[b]).sum().item()
-        union = (member[a] | member[b]).sum().item()
-        values.append(inter / union if union else 1.0)
-    return float(np.mean(values))
+    m = member.float()
+    inter = m @ m.T
+    sizes = m.sum(1)
+    union = sizes[:, None] + sizes[None, :] - inter
+    pairs = torch.triu_indices(m.shape[0], m.shape[0], offset=1)
+    jac = inter[pairs[0], pairs[1]] / union[pairs[0], pairs[1]].clamp(min=1)
+    return float(jac.mean())
 
 
 def threshold(config: ServingConfig, k: int, n: int) -> float:
