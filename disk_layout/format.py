@@ -3,9 +3,13 @@
     [probe section][K chunk 0][K chunk 1]...[V chunk 0][V chunk 1]...
 
 - A chunk holds C consecutive (physical) tokens of one layer, all KV heads, head-major
-  ((heads, C, head_dim), so one head's keys are contiguous), fp16. Every chunk starts on a
-  4 KiB boundary and is padded to a multiple of 4 KiB, so any run of adjacent chunks is one
-  O_DIRECT read.
+  ((heads, C, head_dim), so one head's keys are contiguous), fp16. Aligned layout: every
+  chunk starts on a 4 KiB boundary and is padded to a multiple of 4 KiB, so any run of
+  adjacent chunks is one O_DIRECT read. Packed layout (chosen when a chunk is not a whole
+  number of pages, e.g. 16 tokens x 3 heads x 64 dims = 6 KiB): chunks follow each other
+  without padding and a read covers the pages a run of chunks touches, so padding is paid
+  once per run instead of once per chunk (8 KiB read per 6 KiB chunk otherwise). The K and
+  V sections each start on a page boundary.
 - The probe section holds the probe heads' keys for all tokens of the node, in the same
   physical order, readable in one sequential read: fp16 as in the paper, or int4 with one
   fp16 scale and minimum per group of 32 values (scoring only needs approximate keys).
@@ -42,6 +46,7 @@ class LayerFileLayout:
     head_dim: int
     n_probe: int
     probe_format: str  # "fp16" | "int4"
+    packed: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -54,7 +59,12 @@ class LayerFileLayout:
 
     @property
     def chunk_stride(self) -> int:
-        return align_up(self.chunk_bytes)
+        return self.chunk_bytes if self.packed else align_up(self.chunk_bytes)
+
+    @property
+    def section_bytes(self) -> int:
+        """Bytes of the K (or V) section, padded to a page."""
+        return align_up(self.n_chunks * self.chunk_stride)
 
     @property
     def probe_bytes(self) -> int:
@@ -68,12 +78,17 @@ class LayerFileLayout:
         return align_up(self.probe_bytes)
 
     def chunk_offset(self, kind: str, index: int) -> int:
-        base = self.probe_stride + (0 if kind == "k" else self.n_chunks * self.chunk_stride)
+        base = self.probe_stride + (0 if kind == "k" else self.section_bytes)
         return base + index * self.chunk_stride
 
     @property
     def file_bytes(self) -> int:
-        return self.probe_stride + 2 * self.n_chunks * self.chunk_stride
+        return self.probe_stride + 2 * self.section_bytes
+
+
+def packed_by_default(chunk_bytes: int) -> bool:
+    """Pack chunks when padding each to whole pages would waste space and bandwidth."""
+    return chunk_bytes % ALIGN != 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,80 +3,94 @@
     python -m experiments.accuracy [--model smollm2-135m] [--quick] [--sensitivity]
                                    [--json PATH] [--figure PATH]
 
-A long shared prefix of natural text (public-domain books, impress_flexgen.corpus) is reused
-by many queries, as in a few-shot setting. For each configuration (policy x retention x
-knobs): a fresh store in a temporary directory; each prefix stored once as a cold serve
-would store it (see "Seeding" below); warm-up queries on each prefix (they feed importance;
-policies that reorder are reordered after them, as in serving.run_workload); then the task
-queries, each a Request through Engine.serve with teacher-forced query logits. GPU/CPU tier
-capacities are zero: every chunk is read from the store's disk files, so the bytes counted
-are the policy's own choice. Tasks:
+Shared prefixes of natural text (public-domain books, impress_flexgen.corpus; 2 x 1024
+tokens, Emma and Genesis; quick: one) are reused by many queries, as in a few-shot setting.
+For each configuration (policy x retention x knobs): a fresh store in a temporary directory;
+each prefix stored once as a cold serve stores it (see "Seeding"); one warm-up query per
+prefix (a later passage of its book: it feeds importance; policies that reorder are
+reordered after the warm-ups, as in serving.run_workload); then the task queries, each a
+Request through Engine.serve with teacher-forced query logits. GPU/CPU tier capacities are
+zero, so every chunk counted is read from the store's disk files. Tasks:
 
-1. recall   The query quotes a 24-token fragment of the prefix (after "\\n\\n") and is
-            followed by a 16-token candidate continuation; 4 candidates: the true next 16
-            tokens and 3 distractor spans of the same prefix (word-initial, pairwise
-            different first tokens, not overlapping the fragment or each other). Scored
+1. recall   The query is "\\n\\n" + a 24-token fragment quoted from the prefix, followed by
+            a 16-token candidate continuation. 4 candidates: the true next 16 tokens and the
+            16 tokens after 3 other occurrences, in the prefix, of the fragment's last token
+            (word-initial, pairwise different first tokens, no overlaps), so every candidate
+            reads on from the fragment and only the context tells the true one. Scored
             lm-eval style: the sum of the candidate tokens' log-probs given prefix + query,
-            one request per candidate; accuracy = fraction choosing the true one (chance
-            25%). Fragments are spread evenly over the prefix (not its first or last 64
-            tokens: the sink and the most recent chunk are kept by every chunk policy).
+            one request per candidate; `score` = fraction choosing the true one (chance
+            25%). Fragments are spread evenly over the prefix, away from its first and last
+            64 tokens (the sink and the most recent chunk, which chunk policies always keep).
 2. fidelity The query is a 64-token passage following the prefix in its book. KL(full ||
-            policy) averaged over query positions, top-1 agreement with full, perplexity of
-            the query tokens under the policy. `score` is the top-1 agreement.
-3. retrieval A passkey sentence (" The secret passkey is 48213. Remember it.") is placed at
-            a random depth (10-90%, at a word boundary) of a 1024-token natural-text
-            window; every query has its own window, book, depth and passkey (each such
-            prefix is stored once, then queried). The question "What is the secret
-            passkey? The secret passkey is " is scored against the 5 true digits and 3
-            wrong passkeys that differ from it and from each other in every digit
-            (multiple choice, log-likelihood, chance 25%): `score`. Also a leak-free
-            check, `exact_match`: one greedy request with the question alone, 5 new tokens
-            (decoding over the policy's kept set, the engine's default), right if all 5
-            digits are right.
+            policy) averaged over query positions, top-1 agreement with full (`score`), and
+            the perplexity of the query tokens under the policy.
+3. retrieval A passkey sentence (" The secret passkey is 48213. Remember it.") at a random
+            depth (10-90%, at a word boundary) of a 1024-token natural-text window; every
+            query has its own window, book, depth and passkey (each such prefix is stored
+            once, gets its warm-up, then the query). The question "\\n\\nWhat is the secret
+            passkey? The secret passkey is " is served alone for 5 greedy tokens (decoding
+            over the policy's kept set, the engine's default); `score` = exact match of all 5
+            digits (chance ~0). Also `mc_accuracy`: the 5 true digits against 3 wrong
+            passkeys that differ from it and each other in every digit, by log-likelihood
+            (4 requests, chance 25%).
 
 Candidates inside the query. The engine selects a request's prefix KV from all its new
 tokens' queries, so in multiple choice the candidate's own tokens steer the selection (each
-(context, candidate) pair is its own request, as in lm-eval and as in the paper's accuracy
-runs). A query-aware policy may thus look better on a true candidate than it would when it
-had to generate it; retrieval's `exact_match` shows the difference (selection from the
-question alone, then decoding).
+(context, candidate) pair is its own request, as in lm-eval and in the paper's accuracy
+runs). A query-aware policy can thus score a candidate it could not have generated;
+retrieval's greedy score selects from the question alone.
 
 KL and top-1 agreement are against the `full` policy (every stored chunk loaded) on the same
 request (recall and retrieval: the true candidate's request), so `full` runs first.
 bytes_loaded_fraction = (K/V bytes read from all tiers + probe bytes) / matched prefix K/V
 bytes, fallback_rate = layers that fell back to loading everything / layers, both from the
-engine's per-request stats (serving.summarize) over the task's requests.
+engine's per-request stats (serving.summarize) over the task's requests. Bytes read are
+whole stored chunks: a 16-token smollm2 chunk holds 6 KiB of K (or V) in an 8 KiB aligned
+slot, so `full` reads 133% of the payload (64-token chunks: 24 KiB, no padding).
 
-Seeding. What a cold serve stores does not depend on the policy: with nothing matched no
-selection happens, and the store writes the prefix's K/V (as fp16) and its probe copy. So
-each prefix is served cold once, in a template store, and its stored K/V is read back; each
+Seeding. What a cold serve stores does not depend on the policy: with nothing matched there
+is no selection, and the store writes the prefix's K/V (fp16) and its probe copy. So each
+prefix is served cold once, in a template store, and its stored K/V read back; each
 configuration's fresh store then gets it through PrefixStore.insert, the call the engine's
-cold serve makes, with the same values. This saves a full prefill of every prefix for every
-configuration (most of the run time). `--cold-serve` does the literal cold serve per
-configuration instead; tests/test_accuracy.py checks that both give identical logits.
+cold serve makes, with the same values. This saves a prefill of every prefix in every
+configuration. `--cold-serve` serves cold in every configuration instead;
+tests/test_accuracy.py checks that both give identical results.
 
 Sensitivity (`--sensitivity`, included in the full run): the fidelity task at r = 0.25,
 impress in chunk mode (base: the default RunConfig) and token mode (base: the paper's
-settings, heads 0,1,2, fp16 probes, 64-token chunks, adaptive threshold), one knob at a
+settings: heads 0,1,2, fp16 probes, 64-token chunks, adaptive threshold), one knob at a
 time: fixed thresholds 0.8/0.85/0.9; adaptive alpha 0.3/0.6/1.0; no threshold; probe heads
 first:3 (one KV group on smollm2), group (0,3,6), all; fp16 vs int4 probe copies; chunk
-size 16/32/64.
+size 16/32/64; the share of tokens reordering packs (0.1/0.25/0.5/1.0). Rows with the same
+settings as another are measured once (`same_as`).
 
-Task design, as measured on smollm2-135m (see the report in results/ when run):
-- recall needed no redesign: with full KV the true continuation wins in every query with a
-  margin of 7-48 nats, while random chunks at r = 0.25 fall to ~60%. A fragment is only
-  a few chunks wide, so the task separates policies that find it from those that do not.
-- retrieval: with full KV the multiple choice and the greedy digits are right every time at
-  1024 tokens, random chunks at r = 0.25 reach ~50% in multiple choice and never produce the
-  digits greedily. A 1024-token window keeps each query's own prefix cheap to store.
-- Importance reordering (impress:all) puts the tokens warm-up queries found important into
-  shared chunks; a fragment or passkey no earlier query attended to is then spread over
-  many chunks. `impress-noreorder` (impress:itf, same selection, no reorder) is in the grid
-  to separate that effect from the selection itself.
+How the tasks were redesigned (smollm2-135m, 2 x 1024-token prefixes, seed 0):
+- recall, first design: distractors were 16-token spans from anywhere in the prefix. Full
+  KV chose right 10/10, but random chunks still chose right 7/10 at every retention from
+  0.5 down to 0.05: the true continuation is the one that reads on from the fragment's last
+  words, which the model sees without any context. Distractors that follow the same token
+  elsewhere (the current design, `--recall-distractors matched`; the first is `random`)
+  took that cue away: full 9/10, random chunks 5/10 at r = 0.25 and 0.05, sink+recent 4-5/10.
+  The miss of full KV is in Genesis, where "And God" is followed by several near-alike
+  verses.
+- retrieval, first design: the 4-way choice was the score. Full KV: 6/6; random chunks at
+  r = 0.5 and 0.25: also 6/6. The candidate digits are query tokens, and a random chunk
+  choice per layer keeps the passkey's chunk in about r of the 30 layers, enough to rank
+  four choices. Greedy digits from the question alone separate them (full 6/6, random 3/6
+  at r = 0.5 and 0/6 below), so they are the score now; the choice is kept as mc_accuracy.
+- Importance reordering (impress, i.e. impress:all) moves the tokens that warm-up queries
+  found important into shared chunks. Sorting every token by accumulated importance (the
+  first design) scattered what no earlier query attended to: a passkey's digits ended up in
+  different chunks, and greedy retrieval fell from 6/6 (full KV, and impress without
+  reordering) to 2/6 at r = 0.25, recall from 9/10 to 7/10. Now only the hottest share of
+  tokens (StoreConfig.reorder_hot_fraction) is packed into the leading chunks and the rest
+  keep their positional order: 6/6 and 9/10 again. `impress (sort all)` (fraction 1.0) and
+  `impress-noreorder` (impress:itf: the same selection without reordering) are in the grid
+  at r = 0.25 to show both effects.
 
-Quick mode (CI): one 1024-token prefix (4 recall, 4 fidelity queries, 1 warm-up), 4
+Quick mode (CI): one 1024-token prefix (4 recall and 4 fidelity queries, 1 warm-up), 4
 retrieval prefixes, r = 0.25, policies full, impress (default RunConfig) and random; no
-sensitivity unless --sensitivity is given (then a small subset).
+sensitivity unless --sensitivity is given (then a small subset). About 2.5 minutes here.
 
 Torch runs single-threaded by default (--threads): on the shared 2-core machine, two
 threads beside another busy process made each request several times slower.
@@ -131,6 +145,7 @@ class Settings:
     warmups_per_prefix: int
     retrieval_queries: int
     retrieval_tokens: int = RETRIEVAL_TOKENS
+    recall_distractors: str = "matched"
     seed: int = 0
 
 
@@ -206,7 +221,8 @@ def build_tasks(tokenizer, s: Settings) -> Tasks:
                    for j in range(s.fidelity_per_prefix + s.warmups_per_prefix)]
         fidelity += [(p, w) for w in windows[:s.fidelity_per_prefix]]
         warmup += [(p, w) for w in windows[s.fidelity_per_prefix:]]
-        recall += _recall_items(p, prefix, s.recall_per_prefix, rng, word, tokenizer)
+        recall += _recall_items(p, prefix, s.recall_per_prefix, rng, word, tokenizer,
+                                s.recall_distractors)
     shared = list(range(len(prefixes)))
 
     # Retrieval: one prefix per query, round-robin over the books (a further passage of a
@@ -244,7 +260,11 @@ def build_tasks(tokenizer, s: Settings) -> Tasks:
         sources.append(name)
         needle_idx.append(p)
         warmup.append((p, base[body:body + WARMUP_TOKENS]))
-        retrieval.append(Choice(p, question, cands, 0, depth / s.retrieval_tokens))
+        # The true passkey's place among the choices, from its own generator (so the
+        # passkeys and depths above do not depend on it).
+        answer = int(np.random.default_rng([s.seed, 7, q]).integers(4))
+        cands.insert(answer, cands.pop(0))
+        retrieval.append(Choice(p, question, cands, answer, depth / s.retrieval_tokens))
     return Tasks(prefixes, sources, warmup, recall, fidelity, retrieval, shared, needle_idx)
 
 
@@ -254,42 +274,65 @@ def _passkeys(rng) -> list[str]:
     return ["".join(str(d) for d in row) for row in digits]
 
 
-def _recall_items(p: int, prefix: list[int], count: int, rng, word, tokenizer) -> list[Choice]:
+def _recall_items(p: int, prefix: list[int], count: int, rng, word, tokenizer,
+                  distractors: str = "matched") -> list[Choice]:
+    """`count` recall items on one prefix, fragments spread evenly over it.
+
+    distractors "matched": the 16 tokens after 3 other occurrences of the fragment's last
+    token (so every candidate reads on fluently from the fragment, and only the context
+    tells the true one); "random": 16-token spans from anywhere in the prefix (the first
+    design: a model that lost the context still picks the fluent continuation often).
+    Either way word-initial, pairwise different first tokens, no overlaps.
+    """
     n, frag, cont = len(prefix), FRAGMENT_TOKENS, CONTINUATION_TOKENS
     lo, hi = EDGE_TOKENS, n - EDGE_TOKENS - frag - cont
     if hi <= lo + count:
         raise UserError(f"a {n}-token prefix is too short for {count} recall items")
     header = tokenizer.encode(RECALL_HEADER)
+    after: dict[int, list[int]] = {}          # token -> positions right after it
+    for j in range(n - cont):
+        if word(prefix[j + 1]):
+            after.setdefault(prefix[j], []).append(j + 1)
     bounds = np.linspace(lo, hi, count + 1).astype(int)
     items = []
     for i in range(count):
         # One fragment per stretch of the prefix, so depths are spread evenly.
         options = [a for a in range(bounds[i], bounds[i + 1])
                    if word(prefix[a]) and word(prefix[a + frag])]
-        if not options:
-            raise UserError("no word-initial recall fragment found")
-        a = int(rng.choice(options))
-        true = prefix[a + frag:a + frag + cont]
-        taken = [(a, a + frag + cont)]
-        cands = [true]
-        tries = 0
-        while len(cands) < 4:
-            tries += 1
-            if tries > 10000:
-                raise UserError("no distractors found for a recall item")
-            b = int(rng.integers(0, n - cont + 1))
-            span = prefix[b:b + cont]
-            if not word(prefix[b]) or any(b < e and b + cont > s for s, e in taken):
-                continue
-            if any(span[0] == c[0] for c in cands):
-                continue
-            taken.append((b, b + cont))
-            cands.append(span)
+        rng.shuffle(options)
+        for a in options:
+            e = a + frag                       # where the true continuation starts
+            pool = (after.get(prefix[e - 1], []) if distractors == "matched"
+                    else [b for b in range(n - cont + 1) if word(prefix[b])])
+            starts = _distractors(prefix, pool, (a, e + cont), rng)
+            if starts is not None:
+                break
+        else:
+            raise UserError("no recall fragment with enough distractors; change --seed")
+        cands = [prefix[e:e + cont]] + [prefix[b:b + cont] for b in starts]
         order = rng.permutation(4)
         cands = [cands[j] for j in order]
-        items.append(Choice(p, header + prefix[a:a + frag], cands, int(np.argmax(order == 0)),
-                            (a + frag) / n))
+        items.append(Choice(p, header + prefix[a:e], cands, int(np.argmax(order == 0)), e / n))
     return items
+
+
+def _distractors(prefix, pool, taken_span, rng, want: int = 3):
+    """`want` starts from `pool`: spans not overlapping taken_span or each other, first
+    tokens different from the true continuation's and each other's; None if impossible."""
+    cont = CONTINUATION_TOKENS
+    taken = [taken_span]
+    firsts = {prefix[taken_span[1] - cont]}
+    chosen = []
+    for b in rng.permutation(np.asarray(pool, dtype=np.int64)):
+        b = int(b)
+        if any(b < e and b + cont > s for s, e in taken) or prefix[b] in firsts:
+            continue
+        chosen.append(b)
+        taken.append((b, b + cont))
+        firsts.add(prefix[b])
+        if len(chosen) == want:
+            return chosen
+    return None
 
 
 # -- configurations -------------------------------------------------------------------------
@@ -305,12 +348,8 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
             # Ours (the default RunConfig): whole chunks ranked by all heads' probe scores
             # on an importance-reordered layout, int4 probes, 16-token chunks, no fallback.
             RunConfig("impress", "impress", x),
-            RunConfig("impress-adaptive", "impress", x, threshold="adaptive"),
-            # The same selection without reordering (impress:itf).
-            RunConfig("impress-noreorder", "impress:itf", x),
-            # The paper's mechanism: voted tokens, heads 0,1,2, fp16 probes, 64-token chunks.
-            RunConfig("impress-token", "impress", x, granularity="token", probe_heads="first:3",
-                      probe_format="fp16", chunk_size=64),
+            # The paper's mechanism: voted tokens, heads 0,1,2, fp16 probes, 64-token chunks,
+            # adaptive agreement threshold.
             RunConfig("impress-token-adaptive", "impress", x, granularity="token",
                       threshold="adaptive", probe_heads="first:3", probe_format="fp16",
                       chunk_size=64),
@@ -318,6 +357,16 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
             RunConfig("random", "random", x),
             RunConfig("sink_recent", "sink_recent", x),
         ]
+        if x == 0.25:   # variants at the paper's retention only (time)
+            runs += [
+                RunConfig("impress-adaptive", "impress", x, threshold="adaptive"),
+                RunConfig("impress-token", "impress", x, granularity="token",
+                          probe_heads="first:3", probe_format="fp16", chunk_size=64),
+                # The same selection without reordering (impress:itf), and reordering
+                # that sorts every token by importance (the first design).
+                RunConfig("impress-noreorder", "impress:itf", x),
+                RunConfig("impress (sort all)", "impress", x, reorder_hot_fraction=1.0),
+            ]
     return runs
 
 
@@ -340,6 +389,8 @@ def sensitivity_runs(quick: bool) -> list[tuple[str, str, str, RunConfig]]:
     knobs += [("probe_heads", h, {"probe_heads": h}) for h in ("first:3", "group", "all")]
     knobs += [("probe_format", f, {"probe_format": f}) for f in ("fp16", "int4")]
     knobs += [("chunk_size", str(c), {"chunk_size": c}) for c in (16, 32, 64)]
+    knobs += [("reorder_hot_fraction", str(h), {"reorder_hot_fraction": h})
+              for h in (0.1, 0.25, 0.5, 1.0)]
     if quick:
         keep = {"fixed 0.85", "adaptive 0.6", "first:3", "group", "fp16"}
         knobs = [k for k in knobs if k[1] in keep]
@@ -437,7 +488,8 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
         if policy.reuse:
             store = open_store(tmp, ctx.runtime, cfg, policy, chunk_size=run.chunk_size,
                                probe_format=run.probe_format, reorder_interval=10**9,
-                               direct_io=False)
+                               direct_io=False,
+                               reorder_hot_fraction=run.reorder_hot_fraction)
         engine = Engine(ctx.runtime, store, policy, TierSizes())
         needed = sorted({p for task in tasks_to_run for p in t.prefixes_of(task)})
         if store is not None:
@@ -504,7 +556,11 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
                 extra["margin_mean"] = float(np.mean(margins))
                 extra["correct"] = correct
                 if task == "retrieval":
-                    extra["exact_match"] = float(np.mean(exact))
+                    # Multiple choice did not separate random chunks from full KV here
+                    # (see the docstring): the greedy digits are the score.
+                    extra["mc_accuracy"] = score
+                    extra["exact_match"] = score = float(np.mean(exact))
+                    extra["exact"] = exact
             row = summarize(run, policy, rows, kls, top1, store)
             if score is None:
                 score = row["top1_agreement"] if not is_ref else 1.0
@@ -562,6 +618,9 @@ def parse_args(argv):
                                         "0.5,0.25,0.1,0.05; quick: 0.25)")
     p.add_argument("--prefix-tokens", type=int, help="shared prefix length (multiple of 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recall-distractors", choices=("matched", "random"), default="matched",
+                   help="recall distractors: what follows other occurrences of the fragment's "
+                        "last token (default), or spans from anywhere (the first design)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--cold-serve", action="store_true",
                    help="serve every prefix cold in every configuration instead of seeding "
@@ -593,7 +652,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = QUICK if args.quick else FULL
-    settings = dataclasses.replace(settings, seed=args.seed)
+    settings = dataclasses.replace(settings, seed=args.seed,
+                                   recall_distractors=args.recall_distractors)
     if args.prefix_tokens:
         settings = dataclasses.replace(settings, prefix_tokens=args.prefix_tokens)
     do_main = not args.sensitivity
@@ -701,7 +761,7 @@ def print_table(results, tasks) -> None:
             line += f"{x['score']:>8.2f}{_fmt(x['kl'], '.3f'):>8}"
         if "retrieval" in tasks:
             x = rows["retrieval"]
-            line += f"{x['score']:>8.2f}{x['exact_match']:>8.2f}"
+            line += f"{x['mc_accuracy']:>8.2f}{x['exact_match']:>8.2f}"
         if "fidelity" in tasks:
             x = rows["fidelity"]
             line += (f"{_fmt(x['kl'], '.4f'):>8}{_fmt(x['top1_agreement'], '.3f'):>7}"
@@ -728,8 +788,9 @@ def plot(results, path: str, model: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("recall", "score", "recall: accuracy (4-way choice)", False),
-              ("retrieval", "score", "retrieval: accuracy (4-way choice)", False),
-              ("retrieval", "exact_match", "retrieval: greedy exact match", False),
+              ("retrieval", "score", "retrieval: greedy exact match (score)", False),
+              ("retrieval", "mc_accuracy", "retrieval: 4-way choice (candidate in query)",
+               False),
               ("fidelity", "kl", "fidelity: KL(full || policy)", True)]
     tasks = {r["task"] for r in results}
     panels = [p for p in panels if p[0] in tasks]
@@ -755,8 +816,8 @@ def plot(results, path: str, model: str) -> None:
                 ax.axhline(pts[0][1], ls="--", lw=1, **style)
             else:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=4, **style)
-        if field == "score" and task != "fidelity":
-            ax.axhline(0.25, color="grey", ls=":", lw=1, label="chance")
+        if (task, field) in (("recall", "score"), ("retrieval", "mc_accuracy")):
+            ax.axhline(0.25, color="grey", ls=":", lw=1, label="chance (4-way)")
         ax.set_xscale("log")
         ax.set_xlim(0.04, 0.62)
         ax.set_xticks([0.05, 0.1, 0.25, 0.5])
@@ -764,6 +825,7 @@ def plot(results, path: str, model: str) -> None:
         ax.minorticks_off()
         if log:
             ax.set_yscale("log")
+            ax.set_ylim(bottom=1e-3)    # recomp's KL (~1e-7, rounding) would flatten the rest
         else:
             ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("retention r")

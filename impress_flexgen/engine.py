@@ -48,6 +48,13 @@ class Request:
     prefix: list[int]
     query: list[int]
     max_new_tokens: int = 1
+    # Teacher forcing: decode step i feeds forced[i] instead of the previous argmax, so
+    # step_logits[i] is the distribution of forced[i] under every policy alike (KL and
+    # perplexity over long generations). `tokens` stay the model's argmax predictions.
+    forced: list[int] | None = None
+    # Leading pad tokens of the prefix (the paper-faithful padded workload): they take
+    # positions and are stored like any token, but no token attends to them.
+    n_pad: int = 0
 
 
 @dataclasses.dataclass
@@ -66,13 +73,21 @@ class RequestStats:
     computed_tokens: int = 0
     bytes_read: dict = dataclasses.field(default_factory=lambda: {"gpu": 0, "cpu": 0, "disk": 0})
     probe_bytes: int = 0
-    chunks_read: int = 0
+    chunks_read: int = 0         # from disk
+    chunks_loaded: int = 0       # from any tier (K and V counted separately)
     bytes_needed: int = 0        # KV bytes of the prefix tokens actually attended
     prefix_bytes: int = 0        # KV bytes of the whole matched prefix
     layers: int = 0
     layers_fallback: int = 0
     jaccard: list = dataclasses.field(default_factory=list)
     recovered_from_corruption: int = 0
+    # Decode. Bytes per step: K + V of the pages a decode-phase policy copied to the compute
+    # device; for the other policies, the whole attended context (what a cache kept off the
+    # device would have to move each step).
+    decode_bytes_per_step: float = 0.0
+    decode_select_s: float = 0.0     # decode-phase page selection, all steps
+    index_build_s: float = 0.0       # building the decode-phase pages and index after prefill
+    index_recall: float | None = None  # when measured (DecodeConfig.recall_k)
 
     @property
     def io_s(self) -> float:
@@ -159,13 +174,13 @@ def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int
 def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
                policy: ServingPolicy, chunk_size: int = 64, probe_format: str = "int4",
                disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
-               direct_io: bool = True) -> PrefixStore:
+               direct_io: bool = True, reorder_hot_fraction: float = 0.25) -> PrefixStore:
     """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
     _, probe_kv = probe_setup(runtime.spec, config)
     store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
                             disk_capacity_bytes=disk_capacity_bytes,
                             reorder_interval=reorder_interval if policy.reorder else 0,
-                            direct_io=direct_io)
+                            direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction)
     return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
 
 
@@ -181,6 +196,7 @@ class Engine:
         self.policy = policy
         self.config = policy.config
         self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
+        self._n_pad = 0   # of the request being served
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
@@ -201,6 +217,8 @@ class Engine:
             raise UserError("a request needs at least one query token")
         if request.max_new_tokens < 1:
             raise UserError("max_new_tokens must be at least 1")
+        if not 0 <= request.n_pad < len(request.prefix):
+            raise UserError("n_pad must leave at least one real prefix token")
         for attempt in range(3):
             try:
                 return self._serve(request, query_logits, recovered=attempt)
@@ -211,6 +229,7 @@ class Engine:
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int) -> Response:
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered)
+        self._n_pad = req.n_pad
         t_start = time.perf_counter()
         match = None
         use_store = self.store is not None and self.policy.reuse
@@ -249,15 +268,31 @@ class Engine:
             # 6. decode
             tokens, step_logits = [first], [logits[-1]]
             if req.max_new_tokens > 1:
+                if req.forced is not None and len(req.forced) < req.max_new_tokens - 1:
+                    raise UserError("forced decoding needs max_new_tokens - 1 tokens")
                 if self.config.decode_over == "full" and segments_nodes:
                     kept = self._full_prefix_context(segments_nodes, new_kv, stats)
                 t0 = time.perf_counter()
+                pages = self.policy.start_decode(kept, self.math.n_head, self.device)
                 position = len(req.prefix) + len(req.query)
+                moved = 0
                 for step in range(req.max_new_tokens - 1):
-                    step_logit = self._decode_step(tokens[-1], position + step, kept)
+                    fed = tokens[-1] if req.forced is None else req.forced[step]
+                    step_logit = self._decode_step(fed, position + step, kept, pages)
                     step_logits.append(step_logit)
                     tokens.append(int(step_logit.argmax()))
+                    if pages is None:
+                        moved += sum(c[0].shape[1] for c in kept) * self.kv_bytes_per_token_layer
                 stats.decode_s_per_token = (time.perf_counter() - t0) / (req.max_new_tokens - 1)
+                if pages is not None:
+                    counters = pages.close()
+                    moved = counters.bytes_moved + sum(
+                        c[0].shape[1] for i, c in enumerate(kept) if not pages.handles(i)) \
+                        * self.kv_bytes_per_token_layer * (req.max_new_tokens - 1)
+                    stats.decode_select_s = counters.select_s
+                    stats.index_build_s = counters.build_s
+                    stats.index_recall = counters.recall
+                stats.decode_bytes_per_step = moved / (req.max_new_tokens - 1)
             return Response(tokens, logits if want_query_logits else None, step_logits, stats)
         finally:
             if match is not None:
@@ -285,7 +320,7 @@ class Engine:
             keys = torch.cat([prefix_k, k_new[0]], dim=1)
             values = torch.cat([prefix_v, v_new[0]], dim=1)
             s = k_new.shape[2]
-            new_mask = torch.ones(self.math.n_kv_head, s, dtype=torch.bool, device=self.device)
+            new_mask = (positions[0] >= self._n_pad)[None].expand(self.math.n_kv_head, s)
             mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
             attn = self._attend(q, keys, values, mask, causal_tail=s)
             hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
@@ -329,19 +364,21 @@ class Engine:
             seg = segments[si]
             missing = [int(i) for i in ids if (kind, si, int(i)) not in loaded]
             if missing:
+                stats.chunks_loaded += len(missing)
                 t0 = time.perf_counter()
                 ratios = store.chunk_ratios(seg.entry, missing)
                 chunks, served = store.load_chunks(seg.entry, kind, missing, seg.node, ratios)
                 for i, t in zip(missing, chunks):
                     loaded[(kind, si, i)] = t
-                for tier, n in served.items():
-                    stats.bytes_read[tier] += n
-                stats.chunks_read += served["disk"] // seg.entry.layout.chunk_stride
+                for tier in ("gpu", "cpu", "disk"):
+                    stats.bytes_read[tier] += served[tier]
+                stats.chunks_read += served["disk_chunks"]
                 stats.load_s += time.perf_counter() - t0
             return [loaded[(kind, si, int(i))] for i in ids]
 
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
-                           self.config, self.probe_heads, self.probe_kv_heads, read_probe, load)
+                           self.config, self.probe_heads, self.probe_kv_heads, read_probe, load,
+                           n_pad=self._n_pad)
         t0 = time.perf_counter()
         io_before = stats.probe_s + stats.load_s
         plan = self.policy.plan_layer(ctx)
@@ -369,6 +406,8 @@ class Engine:
                 mask = np.ones((self.math.n_kv_head, len(rows)), dtype=bool)
             else:
                 mask = np.asarray(plan.attend[si])[:, logical]
+            if self._n_pad:
+                mask = mask & (seg.start + logical >= self._n_pad)[None]
             masks.append(torch.from_numpy(np.ascontiguousarray(mask)).to(self.device))
             attended += int(mask.any(axis=0).sum())
             if self.store is not None:
@@ -397,12 +436,12 @@ class Engine:
                                .to(self.device, self.dtype))
             keys = torch.cat(ks + [k_new], 1)
             values = torch.cat(vs + [v_new], 1)
-            kept.append([keys, values, torch.ones(keys.shape[:2], dtype=torch.bool,
-                                                  device=self.device)])
+            valid = torch.arange(keys.shape[1], device=self.device) >= self._n_pad
+            kept.append([keys, values, valid[None].expand(keys.shape[0], -1).clone()])
         return kept
 
     # -- decode -----------------------------------------------------------------------------
-    def _decode_step(self, token: int, position: int, kept) -> torch.Tensor:
+    def _decode_step(self, token: int, position: int, kept, pages=None) -> torch.Tensor:
         stats = RequestStats()  # weight timings of decode are not part of the request's TTFT
         hidden = self._embed([token], position + 1, stats)
         positions = torch.tensor([[position]], device=self.device)
@@ -410,11 +449,15 @@ class Engine:
             weights = self._weights(1 + 2 * layer, stats)
             x = hidden.val.data
             q, k_new, v_new = self.math.qkv(weights, x, positions)
-            ctx = kept[layer]
-            ctx[0] = torch.cat([ctx[0], k_new[0]], dim=1)
-            ctx[1] = torch.cat([ctx[1], v_new[0]], dim=1)
-            ctx[2] = torch.cat([ctx[2], torch.ones(ctx[2].shape[0], 1, dtype=torch.bool,
-                                                   device=self.device)], dim=1)
+            if pages is not None and pages.handles(layer):
+                # Decode-phase policy: the sink, its chosen pages and the window (new token last).
+                ctx = pages.attend_set(layer, q[0, :, 0], k_new[0], v_new[0])
+            else:
+                ctx = kept[layer]
+                ctx[0] = torch.cat([ctx[0], k_new[0]], dim=1)
+                ctx[1] = torch.cat([ctx[1], v_new[0]], dim=1)
+                ctx[2] = torch.cat([ctx[2], torch.ones(ctx[2].shape[0], 1, dtype=torch.bool,
+                                                       device=self.device)], dim=1)
             attn = self._attend(q, ctx[0], ctx[1], ctx[2], causal_tail=1)
             hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
                                                        self.compute)
@@ -431,6 +474,8 @@ class Engine:
         tail = torch.ones(s, causal_tail, dtype=torch.bool, device=self.device).tril(
             diagonal=causal_tail - s)
         allowed[:, :, m - causal_tail:] &= tail
+        # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
+        allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, self.device)
         group = self.math.n_head // self.math.n_kv_head
         allowed = allowed.repeat_interleave(group, dim=0)[None]       # (1, H, s, m)
         work = torch.float32 if self.device.type == "cpu" else q.dtype
@@ -470,3 +515,11 @@ class Engine:
         t0 = time.perf_counter()
         self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
         stats.compute_s += time.perf_counter() - t0
+
+
+def _diagonal(s: int, tail: int, device) -> torch.Tensor:
+    """(s, tail) bool: query i (of the last s tokens) against itself among the last `tail`."""
+    out = torch.zeros(s, tail, dtype=torch.bool, device=device)
+    idx = torch.arange(s, device=device)
+    out[idx, idx + tail - s] = True
+    return out

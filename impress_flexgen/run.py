@@ -50,6 +50,9 @@ def parse_args(argv):
     g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
     g.add_argument("--reorder-interval", type=int, default=50,
                    help="queries between background reorders (policies that reorder)")
+    g.add_argument("--reorder-hot-fraction", type=float, default=0.25,
+                   help="share of a prefix's tokens a reorder packs by importance; the rest "
+                        "keep their order (0.25; 1 sorts every token)")
     g.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per query")
     t = p.add_argument_group("tiers and placement")
     t.add_argument("--gpu-cache-gb", type=float, default=None,
@@ -71,6 +74,11 @@ def parse_args(argv):
     w.add_argument("--query-tokens", type=int, default=64, help="tokens per query (64)")
     w.add_argument("--distribution", choices=("shuffle", "zipf", "normal"), default="shuffle",
                    help="how queries pick prefixes")
+    w.add_argument("--workload", choices=("natural", "padded"), default="natural",
+                   help="natural long text, or short real prefixes left-padded with masked "
+                        "pad tokens to --prefix-tokens positions (the paper's setting)")
+    w.add_argument("--real-tokens", type=int, default=512,
+                   help="real tokens per prefix in the padded workload (512)")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each")
     gen = p.add_argument_group("plain generation (no store)")
     src = gen.add_mutually_exclusive_group()
@@ -82,8 +90,13 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefix_tokens, args.queries = 2, 512, 2
+        args.real_tokens = min(args.real_tokens, 128)
     if not 0 < args.retention <= 1:
         p.error("--retention must be in (0, 1]")
+    if args.workload == "padded" and not 0 < args.real_tokens < args.prefix_tokens:
+        p.error("--real-tokens must be positive and below --prefix-tokens")
+    if not 0 < args.reorder_hot_fraction <= 1:
+        p.error("--reorder-hot-fraction must be in (0, 1]")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
     for name in ("prefixes", "prefix_tokens", "queries", "query_tokens"):
@@ -130,7 +143,7 @@ def serve(rt, args) -> int:
     wl = build_workload(rt.tokenizer, WorkloadConfig(
         n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         queries_per_prefix=args.queries, query_tokens=args.query_tokens,
-        distribution=args.distribution))
+        distribution=args.distribution, mode=args.workload, real_tokens=args.real_tokens))
     pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
     tiers = TierSizes(
         int(args.gpu_cache_gb * GB) if args.gpu_cache_gb is not None else int(0.10 * pool),
@@ -150,7 +163,8 @@ def serve(rt, args) -> int:
         for name in names:
             run = RunConfig(name, name, args.retention, args.granularity, args.threshold,
                             args.threshold_value, args.adaptive_alpha, args.probe_heads,
-                            args.probe_format, args.chunk_size)
+                            args.probe_format, args.chunk_size,
+                            reorder_hot_fraction=args.reorder_hot_fraction)
             store_dir = root / _store_name(name, args)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")
@@ -200,8 +214,9 @@ def claim_store_root(root: Path) -> None:
 
 def _store_name(policy: str, args) -> str:
     """Policies that can share a store layout share nothing else: one store each, named by
-    what shapes its files (chunk size, probe format) and by whether it is reordered."""
-    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}"
+    what shapes its files (chunk size, probe format) and by whether it is reordered; v2:
+    chunks packed when they are not whole pages (stores of the aligned layout stay apart)."""
+    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}-v2"
 
 
 def print_summary(results, check: bool) -> None:

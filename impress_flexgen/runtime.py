@@ -89,6 +89,8 @@ class RuntimeConfig:
     sep_layer: bool = True
     compress_weight: bool = False
     gpu_batch_size: int = 1
+    attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
+    max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
 
 
 @dataclasses.dataclass
@@ -125,7 +127,7 @@ def make_policy(cfg: RuntimeConfig):
         cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
         overlap=cfg.overlap, sep_layer=cfg.sep_layer,
-        pin_weight=torch.cuda.is_available(), cpu_cache_compute=False, attn_sparsity=1.0,
+        pin_weight=torch.cuda.is_available(), cpu_cache_compute=False, attn_sparsity=cfg.attn_sparsity,
         compress_weight=cfg.compress_weight,
         comp_weight_config=CompressionConfig(num_bits=4, group_size=64, group_dim=0,
                                              symmetric=False),
@@ -143,6 +145,11 @@ class Runtime:
         weights.install()
         self.cfg = cfg
         self.spec: ModelSpec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
+        if cfg.max_seq_len is not None and cfg.max_seq_len != self.spec.config.max_seq_len:
+            if not self.spec.random_weights:
+                raise UserError("max_seq_len can only be changed for random-weight models")
+            self.spec = dataclasses.replace(self.spec, config=dataclasses.replace(
+                self.spec.config, max_seq_len=cfg.max_seq_len))
         self.policy = make_policy(cfg)
         self.env = make_env(Path(cfg.offload_dir) if cfg.offload_dir else default_offload_dir())
         self._tokenizer = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,8 @@ class RunConfig:
     probe_format: str = "int4"
     chunk_size: int = 16
     decode_over: str = "kept"
+    reorder_hot_fraction: float = 0.25   # see StoreConfig
+    tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
 
     def serving(self) -> ServingConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
@@ -72,7 +75,10 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
     """
     cfg = run.serving()
     policy = make_policy(run.policy, cfg)
+    if run.tier_policy is not None:
+        policy.tier_policy = run.tier_policy
     tmp = None
+    reorder_s = 0.0
     if store_dir is None:
         tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
     store = None
@@ -81,20 +87,23 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
             store = open_store(store_dir or tmp, runtime, cfg, policy, chunk_size=run.chunk_size,
                                probe_format=run.probe_format,
                                disk_capacity_bytes=disk_capacity_bytes,
-                               reorder_interval=reorder_interval or 10**9)
+                               reorder_interval=reorder_interval or 10**9,
+                               reorder_hot_fraction=run.reorder_hot_fraction)
         engine = Engine(runtime, store, policy, tiers)
-        for prefix in workload.prefixes:
-            engine.serve(Request(prefix, [prefix[-1]], 1))
+        for p, prefix in enumerate(workload.prefixes):
+            engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
         for p, query in workload.warmup:
-            engine.serve(Request(workload.prefixes[p], query, 1))
+            engine.serve(Request(workload.prefixes[p], query, 1, n_pad=workload.pad_of(p)))
         if store is not None:
             if policy.reorder and reorder_interval is None:
+                t0 = time.perf_counter()
                 store.reorder_now()
+                reorder_s = time.perf_counter() - t0
             store.cache.reset_metrics()
         rows, kls, top1 = [], [], []
         for qi, (p, query) in enumerate(workload.queries):
-            resp = engine.serve(Request(workload.prefixes[p], query, max_new_tokens),
-                                query_logits=True)
+            resp = engine.serve(Request(workload.prefixes[p], query, max_new_tokens,
+                                        n_pad=workload.pad_of(p)), query_logits=True)
             rows.append(resp.stats)
             if reference is not None:
                 if qi in reference:
@@ -107,7 +116,11 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                 on_response(qi, p, query, resp)
             if progress is not None:
                 progress.update(1)
-        return summarize(run, policy, rows, kls, top1, store)
+        row = summarize(run, policy, rows, kls, top1, store)
+        row["reorder_s"] = reorder_s
+        if store is not None:
+            row["space"] = store_space(store)
+        return row
     finally:
         if store is not None:
             store.close()
@@ -143,6 +156,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "read_amplification": (sum(loaded.values()) + probe) / max(1, sum(r.bytes_needed
                                                                            for r in rows)),
         "chunks_read": int(sum(r.chunks_read for r in rows)),
+        "chunks_loaded": int(sum(r.chunks_loaded for r in rows)),
         "fallback_rate": sum(r.layers_fallback for r in rows) / layers if layers else 0.0,
         "gpu_hit_ratio": gpu["hits"] / accesses if accesses else 0.0,
         "kl": float(np.mean(kls)) if kls else None,
@@ -154,3 +168,14 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "reorders": store.metrics.reorders if store is not None else 0,
     }
 
+
+
+def store_space(store) -> dict:
+    """Bytes on disk: K/V chunks (padding included), probe copies, metadata database."""
+    kv = probe = 0
+    for node in store.tree.nodes.values():
+        for entry in node.layers:
+            probe += entry.layout.probe_stride
+            kv += 2 * entry.layout.section_bytes
+    meta = sum(f.stat().st_size for f in store.dir.glob("store.sqlite*"))
+    return {"kv_bytes": kv, "probe_bytes": probe, "metadata_bytes": meta}

@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import fcntl
 import logging
+import math
 import os
 import threading
 import time
@@ -31,8 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from disk_layout.format import (LayerFileLayout, chunk_payload, crc32,
-                                decode_probe, encode_probe, probe_supported)
+from disk_layout.format import (ALIGN, LayerFileLayout, align_up, chunk_payload, crc32,
+                                decode_probe, encode_probe, packed_by_default,
+                                probe_supported)
 from disk_layout.io import DiskReader, ShortRead, write_durable
 from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata
 
@@ -74,8 +76,19 @@ class StoreConfig:
     eviction: str = "score"                # "score" (hits) or "lru"
     reorder_interval: int = 50             # queries between background reorders; 0: never
     reorder_keep_ends: bool = True         # keep the sink chunk and the last chunk in place
+    # Share of a node's tokens (the most important) packed into the leading chunks; the
+    # rest keep their positional order. 1.0 sorts every token by importance: tokens no past
+    # query attended to are then scattered by noise, and a later query needing a phrase
+    # nobody asked for before (a passkey) finds it spread over many chunks.
+    reorder_hot_fraction: float = 0.25
+    # What a reorder groups into chunks: "importance" (accumulated by queries, above) or
+    # "semantic": tokens with similar keys share a chunk (balanced k-means over the layer's
+    # keys, chunk-sized clusters), a query-agnostic layout done once per node, so that a
+    # query's relevant tokens sit in few chunks (IceCache's semantic pages, on disk).
+    reorder_by: str = "importance"
     direct_io: bool = True
     read_threads: int = 4
+    packed: bool | None = None             # chunk layout (disk_layout.format); None: by size
 
     def __post_init__(self):
         if not 16 <= self.chunk_size <= 256 or self.chunk_size % 8:
@@ -84,6 +97,10 @@ class StoreConfig:
             raise UserError("probe format must be fp16 or int4")
         if self.eviction not in ("score", "lru"):
             raise UserError("disk eviction must be score or lru")
+        if not 0 < self.reorder_hot_fraction <= 1:
+            raise UserError("reorder hot fraction must be in (0, 1]")
+        if self.reorder_by not in ("importance", "semantic"):
+            raise UserError("reorder_by must be importance or semantic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +177,8 @@ class PrefixStore:
         self.shape = shape
         self.config = config
         self.cache = cache  # tiers.ChunkCache or None
+        chunk_bytes = shape.n_kv_heads * config.chunk_size * shape.head_dim * 2
+        self.packed = packed_by_default(chunk_bytes) if config.packed is None else config.packed
         if any(h >= shape.n_kv_heads for h in config.probe_heads):
             raise UserError(f"probe heads {config.probe_heads} exceed {shape.n_kv_heads} KV heads")
         self._check_directory()
@@ -210,14 +229,15 @@ class PrefixStore:
         want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
                 "model": dataclasses.asdict(self.shape), "chunk_size": self.config.chunk_size,
                 "probe_heads": list(self.config.probe_heads),
-                "probe_format": self.config.probe_format}
+                "probe_format": self.config.probe_format, "packed": self.packed}
         have = self.meta.get_meta()
         if not have:
             self.meta.set_meta(want)
             return
         if have.get("format") != STORE_FORMAT:
             raise UserError(f"{self.dir} holds a database that is not an impress_flexgen store")
-        for key in ("schema", "model", "chunk_size", "probe_heads", "probe_format"):
+        have.setdefault("packed", False)      # stores from before the packed layout
+        for key in ("schema", "model", "chunk_size", "probe_heads", "probe_format", "packed"):
             if have.get(key) != want[key]:
                 raise UserError(f"store {self.dir} was made with {key}={have.get(key)}, "
                                 f"not {want[key]}; use another --store-dir")
@@ -254,7 +274,7 @@ class PrefixStore:
     def _layout(self, n_tokens: int) -> LayerFileLayout:
         return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
                                self.shape.head_dim, len(self.config.probe_heads),
-                               self.config.probe_format)
+                               self.config.probe_format, self.packed)
 
     def _entry(self, row: LayerRow, n_tokens: int) -> LayerEntry:
         return LayerEntry(row.node, row.layer, row.version, str(self.data_dir / row.file),
@@ -336,9 +356,16 @@ class PrefixStore:
         The tensors are views of the buffers the reads landed in (no copy): writable, and
         each keeps its run of adjacent chunks in memory while it lives (the tiers copy).
         """
+        return self._read_chunks(entry, kind, chunk_ids, node)[0]
+
+    def _read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None
+                     ) -> tuple[list[torch.Tensor], int]:
+        """read_chunks() and the bytes read from disk for them (padding included)."""
         from disk_layout.io import Extents
 
         lay = entry.layout
+        if lay.packed:
+            return self._read_packed(entry, kind, chunk_ids, node)
         ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
         if len(ids) == 0:
             return []
@@ -369,7 +396,67 @@ class PrefixStore:
             chunks = out
         self.metrics.chunks_read += len(ids)
         self.metrics.bytes_read += len(ids) * stride
-        return chunks
+        return chunks, len(ids) * stride
+
+    def _read_packed(self, entry: LayerEntry, kind: str, chunk_ids, node
+                     ) -> tuple[list[torch.Tensor], int]:
+        """Packed layout: each run of consecutive chunks is read as the pages it touches."""
+        from disk_layout.io import MAX_RUN_BYTES, ChecksumMismatch
+
+        lay = entry.layout
+        ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
+        if len(ids) == 0:
+            return [], 0
+        if ids.min() < 0 or ids.max() >= lay.n_chunks:
+            raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
+        size = lay.chunk_bytes
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        offs = lay.chunk_offset(kind, 0) + sorted_ids * size
+        first_crc = 1 + (0 if kind == "k" else lay.n_chunks)
+        crcs = entry.crcs[first_crc + sorted_ids]
+        breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+        bounds = [0, *breaks.tolist(), len(ids)]
+        per_run = max(1, MAX_RUN_BYTES // size)
+        groups, extents = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for g0 in range(a, b, per_run):
+                g1 = min(g0 + per_run, b)
+                # A run may share its first page with the previous run (chunks smaller
+                # than a page): that page is read twice, in separate buffers.
+                lo = int(offs[g0]) // ALIGN * ALIGN
+                hi = align_up(int(offs[g1 - 1]) + size)
+                groups.append((g0, g1))
+                extents.append((lo, hi - lo))
+        runs = self._read(node, entry, extents, runs=True)
+        shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
+        chunks: list[torch.Tensor] = []
+        try:
+            for run in runs:
+                # Slices of the run's buffer (not copies), so the buffer pool sees them.
+                checks = []
+                for i in run.members:
+                    g0, g1 = groups[i]
+                    base = extents[i][0] - run.offset
+                    checks += [(j, base + int(offs[j]) - extents[i][0], size, int(crcs[j]))
+                               for j in range(g0, g1)]
+                self.reader.verify(run.data, checks)
+                for j, start, _, _ in checks:
+                    chunks.append(run.data[start:start + size].view(torch.float16).view(shape))
+        except ChecksumMismatch as exc:
+            self.metrics.corruptions += 1
+            raise CorruptNode(self._node(node, entry),
+                              f"layer {entry.layer} {kind.upper()} chunk "
+                              f"{int(sorted_ids[exc.index])}: CRC mismatch") from None
+        if np.any(order[1:] < order[:-1]):
+            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+            for j, i in enumerate(order.tolist()):
+                out[i] = chunks[j]
+            chunks = out
+        nbytes = sum(length for _, length in extents)
+        self.metrics.chunks_read += len(ids)
+        self.metrics.bytes_read += nbytes
+        return chunks, nbytes
 
     def load_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None,
                     ratios=None) -> tuple[list[torch.Tensor], dict[str, int]]:
@@ -381,7 +468,7 @@ class PrefixStore:
         ids = [int(i) for i in chunk_ids]
         ratios = [0.0] * len(ids) if ratios is None else [float(r) for r in ratios]
         out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-        served = {"gpu": 0, "cpu": 0, "disk": 0}
+        served = {"gpu": 0, "cpu": 0, "disk": 0, "disk_chunks": 0}
         missing = []
         for j, (i, r) in enumerate(zip(ids, ratios)):
             hit = self.cache.get(self._key(entry, kind, i), r) if self.cache else None
@@ -392,10 +479,11 @@ class PrefixStore:
                 out[j] = tensor
                 served[tier] += entry.layout.chunk_bytes
         if missing:
-            fresh = self.read_chunks(entry, kind, [ids[j] for j in missing], node)
+            fresh, nbytes = self._read_chunks(entry, kind, [ids[j] for j in missing], node)
+            served["disk"] += nbytes
+            served["disk_chunks"] = len(missing)
             for j, tensor in zip(missing, fresh):
                 out[j] = tensor
-                served["disk"] += entry.layout.chunk_stride
                 if self.cache is not None:
                     self.cache.admit(self._key(entry, kind, ids[j]), tensor, ratios[j])
         return out, served
@@ -417,7 +505,13 @@ class PrefixStore:
     # -- selection feedback ---------------------------------------------------------------
     def record_selection(self, entry: LayerEntry, scores: np.ndarray | None,
                          selected: np.ndarray | None, chunks_read=None) -> None:
-        """Feed one query's importance back: scores and selection are per logical token."""
+        """Feed one query's importance back: scores and selection are per logical token,
+        for the first len(scores) tokens of the node (a request may use only its head)."""
+        n = entry.layout.n_tokens
+        if scores is not None and len(scores) < n:
+            scores = np.concatenate([scores, np.zeros(n - len(scores), scores.dtype)])
+        if selected is not None and len(selected) < n:
+            selected = np.concatenate([selected, np.zeros(n - len(selected), bool)])
         with self.lock:
             stats = self.stats.get((entry.node_id, entry.layer))
             if stats is None:  # the node was split, evicted or quarantined meanwhile
@@ -709,10 +803,16 @@ class PrefixStore:
                 stats = self.stats[(node.id, layer)]
                 importance = stats.importance.copy()
                 stats.dirty = False
-            order = self._importance_order(node, importance)
-            if old.mapping is not None and np.array_equal(order, old.mapping):
-                continue
-            k, v = self.read_layer(old, node)
+            if self.config.reorder_by == "semantic":
+                if old.mapping is not None:
+                    continue                      # query-agnostic: laid out once
+                k, v = self.read_layer(old, node)
+                order = self._semantic_order(node, k)
+            else:
+                order = self._importance_order(node, importance)
+                if old.mapping is not None and np.array_equal(order, old.mapping):
+                    continue
+                k, v = self.read_layer(old, node)
             name = f"{uuid.uuid4().hex}.kv"
             try:
                 crcs = self._write_layer_file(self.data_dir / name, old.layout, k, v, order)
@@ -748,7 +848,36 @@ class PrefixStore:
                 lo = c
             if n - c >= lo:
                 hi = n - c
-        middle = lo + np.argsort(-importance[lo:hi], kind="stable")
+        ranked = np.argsort(-importance[lo:hi], kind="stable")
+        if self.config.reorder_hot_fraction < 1:
+            # The hot set fills whole chunks; cold tokens stay in positional order.
+            hot_n = math.ceil(self.config.reorder_hot_fraction * (hi - lo) / c) * c
+            hot = ranked[:hot_n]
+            hot = hot[importance[lo:hi][hot] > 0]
+            cold = np.ones(hi - lo, dtype=bool)
+            cold[hot] = False
+            ranked = np.concatenate([hot, np.flatnonzero(cold)])
+        middle = lo + ranked
+        return np.concatenate([np.arange(lo), middle, np.arange(hi, n)]).astype(np.int64)
+
+    def _semantic_order(self, node: RadixNode, k: torch.Tensor) -> np.ndarray:
+        """Physical -> logical mapping: chunks of tokens with similar keys (all KV heads'
+        keys of a token, each head normalised, side by side), sink and last chunk in place."""
+        from policies.page_index import balanced_kmeans  # policies import the engine's modules
+
+        c, n = self.config.chunk_size, k.shape[1]
+        lo, hi = 0, n
+        if self.config.reorder_keep_ends:
+            if node.start == 0:
+                lo = c
+            if n - c >= lo:
+                hi = n - c
+        if hi - lo <= c:
+            return np.arange(n, dtype=np.int64)
+        feats = torch.nn.functional.normalize(k[:, lo:hi].float(), dim=-1)
+        feats = feats.transpose(0, 1).reshape(hi - lo, -1)
+        cluster = balanced_kmeans(feats, (hi - lo) // c, c, iters=4)
+        middle = lo + np.lexsort((np.arange(hi - lo), cluster))
         return np.concatenate([np.arange(lo), middle, np.arange(hi, n)]).astype(np.int64)
 
     def reorder_dirty(self) -> int:

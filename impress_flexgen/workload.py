@@ -1,7 +1,10 @@
 """Workloads: a pool of long shared prefixes and a stream of queries that reuse them.
 
 Natural-text mode cuts prefixes from public-domain books; each query is a later passage of
-the same book, so what a query needs from its prefix is decided by real text. Reuse follows
+the same book, so what a query needs from its prefix is decided by real text. Padded mode
+(the paper's setting, as far as its prompt lengths tell) takes a short real prefix
+(`real_tokens`) and left-pads it with masked pad tokens to `prefix_tokens` positions: the
+pads are stored and counted in the prefix bytes, but nothing attends to them. Reuse follows
 a distribution over the pool: `shuffle` (every prefix gets the same number of queries, in
 random order), `zipf` (a few prefixes are hot) or `normal` (popularity peaks mid-pool).
 """
@@ -22,10 +25,16 @@ class WorkloadConfig:
     distribution: str = "shuffle"      # shuffle | zipf | normal
     zipf_s: float = 1.1
     seed: int = 0
+    mode: str = "natural"              # natural | padded
+    real_tokens: int = 512             # padded mode: real text tokens per prefix
 
     def __post_init__(self):
         if self.distribution not in ("shuffle", "zipf", "normal"):
             raise ValueError("distribution must be shuffle, zipf or normal")
+        if self.mode not in ("natural", "padded"):
+            raise ValueError("workload mode must be natural or padded")
+        if self.mode == "padded" and not 0 < self.real_tokens < self.prefix_tokens:
+            raise ValueError("padded mode needs 0 < real tokens < prefix tokens")
         if min(self.n_prefixes, self.prefix_tokens, self.query_tokens) < 1:
             raise ValueError("workload sizes must be positive")
 
@@ -37,15 +46,27 @@ class Workload:
     warmup: list[tuple[int, list[int]]]     # (prefix index, query ids)
     queries: list[tuple[int, list[int]]]
     sources: list[str]
+    n_pad: list[int] = dataclasses.field(default_factory=list)   # per prefix (padded mode)
+
+    def pad_of(self, p: int) -> int:
+        return self.n_pad[p] if self.n_pad else 0
 
 
 def _token_stream(tokenizer, name: str, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def build_workload(tokenizer, config: WorkloadConfig, texts: dict[str, str] | None = None
-                   ) -> Workload:
+def build_workload(tokenizer, config: WorkloadConfig, texts: dict[str, str] | None = None,
+                   pad_id: int = 0) -> Workload:
     """Cut prefixes and queries from `texts` (default: the offline corpus)."""
+    if config.mode == "padded":
+        real = build_workload(tokenizer, dataclasses.replace(
+            config, mode="natural", prefix_tokens=config.real_tokens), texts)
+        n_pad = config.prefix_tokens - config.real_tokens
+        real.config = config
+        real.prefixes = [[pad_id] * n_pad + p for p in real.prefixes]
+        real.n_pad = [n_pad] * len(real.prefixes)
+        return real
     if texts is None:
         texts = default_texts()
     rng = np.random.default_rng(config.seed)

@@ -24,6 +24,8 @@ class ServingConfig:
     adaptive_alpha: float = 0.6
     probe_heads: str | tuple[int, ...] = "auto"  # see resolve_probe_heads
     decode_over: str = "kept"          # decode over the kept set, or "full" prefix
+    decode_budget: int = 256           # tokens attended per layer and step by decode-phase
+                                       # page policies (icecache, quest, page_*)
     seed: int = 0
 
     def __post_init__(self):
@@ -35,6 +37,8 @@ class ServingConfig:
             raise ValueError("threshold must be adaptive, fixed or none")
         if self.decode_over not in ("kept", "full"):
             raise ValueError("decode_over must be kept or full")
+        if self.decode_budget < 32:
+            raise ValueError("decode_budget must be at least 32 tokens (two pages)")
 
     def budget(self, n: int) -> int:
         """k = ceil(r * n) tokens of an n-token prefix."""
@@ -113,6 +117,7 @@ class LayerContext:
     probe_kv_heads: tuple[int, ...] # KV heads held by the probe copy, in its order
     read_probe: Callable[[], torch.Tensor]                       # (n_probe_kv, n, d), logical
     load: Callable[[str, int, np.ndarray], list[torch.Tensor]]  # kind, segment, chunk ids
+    n_pad: int = 0                  # leading prefix tokens nobody attends to (padding)
 
     @property
     def n_prefix(self) -> int:
@@ -145,7 +150,8 @@ class LayerPlan:
 
 
 class ServingPolicy:
-    """Base class: a policy is a name, a few switches, and plan_layer()."""
+    """Base class: a policy is a name, a few switches, plan_layer() and, for decode-phase
+    policies, start_decode()."""
 
     name = "base"
     reuse = True              # match and load stored prefix KV (False: recompute it)
@@ -158,6 +164,11 @@ class ServingPolicy:
 
     def plan_layer(self, ctx: LayerContext) -> LayerPlan:
         return LayerPlan.everything(ctx.segments)
+
+    def start_decode(self, kept, n_head: int, device):
+        """A decode-phase selector built from the prefill's context (`kept[layer] = [K, V,
+        mask]`), or None: decode attends over the whole kept context (prefix policies)."""
+        return None
 
     def describe(self) -> dict:
         return {"policy": self.name, "tier_policy": self.tier_policy, "reorder": self.reorder}

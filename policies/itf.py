@@ -27,6 +27,8 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     k_new = ctx.k_new[[h // ctx.group for h in ctx.probe_heads]]
     s = q.shape[1]
     logits_prefix = q @ k_prefix.transpose(1, 2) / math.sqrt(d)
+    if ctx.n_pad:
+        logits_prefix[..., : ctx.n_pad] = float("-inf")     # pad tokens: never important
     logits_new = q @ k_new.transpose(1, 2) / math.sqrt(d)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     logits_new = logits_new.masked_fill(~causal, float("-inf"))

@@ -69,15 +69,21 @@ def test_round_trip_is_bit_exact(tmp_path):
         assert torch.equal(bits(k[:, :length]), bits(k2)) and torch.equal(bits(v[:, :length]), bits(v2))
 
 
-def test_files_are_aligned_and_head_major(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_files_are_aligned_and_head_major(tmp_path, packed):
     tokens = np.arange(2 * C)
     kv = make_kv(len(tokens), seed=2)
-    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+    with PrefixStore(tmp_path / "s", SHAPE, config(packed=packed)) as store:
         (node,) = store.insert(tokens, 0, kv)
         entry = store.entry(node, 1)
         lay = entry.layout
+        assert lay.packed == packed
         assert os.path.getsize(entry.path) == lay.file_bytes
-        assert lay.chunk_offset("k", 0) % 4096 == 0 and lay.chunk_stride % 4096 == 0
+        assert lay.chunk_offset("k", 0) % 4096 == 0 and lay.chunk_offset("v", 0) % 4096 == 0
+        if packed:   # no padding between chunks
+            assert lay.chunk_offset("k", 1) - lay.chunk_offset("k", 0) == lay.chunk_bytes
+        else:
+            assert lay.chunk_stride % 4096 == 0
         raw = Path(entry.path).read_bytes()
         off = lay.chunk_offset("v", 1)
         chunk = np.frombuffer(raw[off:off + lay.chunk_bytes], dtype=np.float16)
@@ -313,8 +319,8 @@ def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
             ids = sorted(rng.choice(8, size=int(rng.integers(1, 5)), replace=False).tolist())
             entry = store.entry(node, layer)
             chunks, by_tier = store.load_chunks(entry, kind, ids, node, ratios=rng.random(len(ids)))
-            for tier, n in by_tier.items():
-                served[tier] += n
+            for tier in served:
+                served[tier] += by_tier[tier]
             want = kv[layer][0 if kind == "k" else 1]
             for i, t in zip(ids, chunks):
                 assert torch.equal(bits(t.cpu()), bits(want[:, i * C:(i + 1) * C]))
@@ -327,3 +333,73 @@ def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
         store.reorder_node(node, [0])
         assert not any(k[1] == 0 and k[2] == 1 for tier in ("gpu", "cpu")
                        for k in cache.resident_keys(tier))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 24, 48])
+def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
+    """Packed chunks (not page multiples) read back exactly for any set of chunk ids, and
+    reading a run of neighbours costs fewer bytes than padding every chunk would."""
+    shape = ModelShape("odd", n_layers=1, n_kv_heads=3, head_dim=64)   # 6 KiB per 16 tokens
+    n = 20 * chunk_size
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(3, n, 64, generator=g).half(), torch.randn(3, n, 64, generator=g).half())]
+    cfg = StoreConfig(chunk_size=chunk_size, probe_heads=(0,), probe_format="fp16",
+                      reorder_interval=0)
+    rng = np.random.default_rng(3)
+    with PrefixStore(tmp_path / "s", shape, cfg) as store:
+        (node,) = store.insert(np.arange(n), 0, kv)
+        entry = store.entry(node, 0)
+        assert entry.layout.packed
+        for _ in range(30):
+            ids = rng.choice(20, size=int(rng.integers(1, 21)), replace=False).tolist()
+            for kind, full in (("k", kv[0][0]), ("v", kv[0][1])):
+                chunks, nbytes = store._read_chunks(entry, kind, ids, node)
+                for i, t in zip(ids, chunks):
+                    assert torch.equal(t, full[:, i * chunk_size:(i + 1) * chunk_size])
+                assert nbytes % 4096 == 0
+        _, run_bytes = store._read_chunks(entry, "k", list(range(20)), node)
+        assert run_bytes < 20 * entry.layout.chunk_bytes + 2 * 4096
+        # A corrupt packed chunk is detected and names its chunk.
+        with open(entry.path, "r+b") as f:
+            f.seek(entry.layout.chunk_offset("v", 7) + 5)
+            byte = f.read(1)
+            f.seek(entry.layout.chunk_offset("v", 7) + 5)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(CorruptNode, match="V chunk 7"):
+            store._read_chunks(entry, "v", [6, 7, 8], node)
+
+
+@pytest.mark.parametrize("hot", [0.25, 1.0])
+def test_reorder_packs_hot_tokens_and_keeps_the_rest_in_order(tmp_path, hot):
+    n = 8 * C
+    tokens = np.arange(n)
+    with PrefixStore(tmp_path / "s", SHAPE, config(reorder_hot_fraction=hot)) as store:
+        (node,) = store.insert(tokens, 0, make_kv(n, seed=4))
+        importance = np.random.default_rng(0).random(n).astype(np.float32)
+        store.record_selection(store.entry(node, 0), importance, None)
+        store.reorder_node(node, [0])
+        mapping = store.entry(node, 0).mapping
+        middle = mapping[C:n - C]                      # sink and last chunk stay in place
+        assert np.array_equal(mapping[:C], np.arange(C))
+        assert np.array_equal(mapping[n - C:], np.arange(n - C, n))
+        ranked = C + np.argsort(-importance[C:n - C], kind="stable")
+        if hot == 1.0:
+            assert np.array_equal(middle, ranked)
+        else:
+            n_hot = int(np.ceil(hot * (n - 2 * C) / C)) * C
+            assert np.array_equal(middle[:n_hot], ranked[:n_hot])
+            cold = middle[n_hot:]
+            assert np.all(np.diff(cold) > 0)           # positional order
+
+
+def test_selection_on_the_head_of_a_node_is_recorded(tmp_path):
+    """A request that uses only the first chunks of a node feeds back only those tokens."""
+    tokens = np.arange(4 * C)
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        (node,) = store.insert(tokens, 0, make_kv(len(tokens), seed=6))
+        entry = store.entry(node, 0)
+        scores = np.ones(2 * C, np.float32)
+        store.record_selection(entry, scores, np.ones(2 * C, bool))
+        imp = store.stats[(node.id, 0)].importance
+        assert imp[:2 * C].sum() == 2 * C and imp[2 * C:].sum() == 0
+        assert list(store.stats[(node.id, 0)].ratio) == [255, 255, 0, 0]

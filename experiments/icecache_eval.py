@@ -1,0 +1,149 @@
+"""Decode-phase page policies against full-KV decoding, teacher-forced, on real weights.
+
+    python -m experiments.icecache_eval [--quick] [--json PATH]
+
+smollm2-135m reads a natural-text prefix cut from one of the offline books and is then forced
+through the book's true continuation for many decode steps (Request.forced), once per policy:
+full KV, icecache at 64/128/256 tokens (and its layer-reuse variant), quest, the window-only
+and random-page baselines at the same budgets. Every policy sees the same tokens, so the step
+logits compare position by position: mean KL(full || policy), top-1 agreement with full,
+perplexity of the forced continuation, time per output token, K+V bytes moved to the compute
+device per decode step (vs what full decoding attends), index build vs prefill time. Then, per
+budget, index recall: of each query head's true top-k keys (exact q.k over the paged tokens),
+the fraction inside the chosen pages. Prefill is full attention for every policy (these
+policies act only at decode), computed without a prefix store.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.corpus import load_text
+from impress_flexgen.engine import Engine, Request
+from impress_flexgen.runtime import Runtime, RuntimeConfig
+from policies import DecodeConfig, ServingConfig, make_policy
+
+
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m experiments.icecache_eval",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--text", default="austen_emma")
+    p.add_argument("--prefix-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=128, help="teacher-forced decode steps")
+    p.add_argument("--budgets", default="64,128,256")
+    p.add_argument("--recall-k", type=int, default=32)
+    p.add_argument("--recall-steps", type=int, default=32)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: small per-layer ops do not fight over cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="1,024-token prefix, 32 steps, budgets 64 and 256, fewer baselines")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefix_tokens, args.steps, args.budgets, args.recall_steps = 1024, 32, "64,256", 16
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    if min(args.prefix_tokens, args.steps) < 1 or min(args.budgets) < 32:
+        p.error("--prefix-tokens and --steps must be positive, budgets at least 32")
+    return args
+
+
+def runs(args) -> list[tuple[str, str, int]]:
+    """(label, policy, budget)."""
+    top = max(args.budgets)
+    out = [("full", "full", top)]
+    for b in args.budgets:
+        out.append((f"icecache@{b}", "icecache", b))
+    out.append((f"icecache:reuse@{top}", "icecache:reuse", top))
+    for name in ("quest", "page_window", "page_random"):
+        for b in (args.budgets if not args.quick else [top]):
+            out.append((f"{name}@{b}", name, b))
+    return out
+
+
+def serve(rt, policy_name, budget, decode, prefix, query, forced):
+    cfg = ServingConfig(retention=1.0, decode_budget=budget)
+    engine = Engine(rt, None, make_policy(policy_name, cfg, decode=decode))
+    return engine.serve(Request(prefix, query, len(forced) + 1, forced=forced))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    with Runtime(RuntimeConfig(model=args.model)) as rt:
+        ids = rt.tokenizer.encode(load_text(args.text))
+        need = args.prefix_tokens + args.steps + 2
+        if len(ids) < need:
+            raise SystemExit(f"text {args.text} has {len(ids)} tokens, need {need}")
+        start = 2000                   # skip front matter
+        ids = ids[start:start + need]
+        prefix, query = ids[:args.prefix_tokens], ids[args.prefix_tokens:args.prefix_tokens + 1]
+        forced = ids[args.prefix_tokens + 1:args.prefix_tokens + 1 + args.steps]
+        targets = torch.tensor(ids[args.prefix_tokens + 1:args.prefix_tokens + 2 + args.steps])
+        decode = DecodeConfig(dense_layers=args.dense_layers)
+        serve(rt, "full", 256, decode, prefix[:64], query, forced[:2])   # warm-up
+        rows, ref = [], None
+        for label, name, budget in runs(args):
+            resp = serve(rt, name, budget, decode, prefix, query, forced)
+            logits = torch.stack(resp.step_logits).float()              # (steps + 1, vocab)
+            logp = F.log_softmax(logits, -1)
+            if ref is None:
+                ref = logp
+            # Step 0 comes from prefill (identical for all); decode steps are 1..steps.
+            kl = (ref.exp() * (ref - logp)).sum(-1)[1:]
+            nll = -logp.gather(1, targets[:, None])[1:, 0]
+            s = resp.stats
+            rows.append({
+                "policy": label, "budget": budget if name != "full" else None,
+                "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                "top1_agree": float((logp.argmax(-1) == ref.argmax(-1))[1:].float().mean()),
+                "ppl": float(math.exp(nll.mean())),
+                "tpot_ms": s.decode_s_per_token * 1e3,
+                "bytes_per_step": s.decode_bytes_per_step,
+                "select_ms_per_step": s.decode_select_s * 1e3 / args.steps,
+                "index_build_s": s.index_build_s, "prefill_s": s.ttft_s,
+            })
+        full_bytes = rows[0]["bytes_per_step"]
+        for r in rows:
+            r["bytes_vs_full"] = r["bytes_per_step"] / full_bytes
+        recall = []
+        for b in args.budgets:
+            for name in ("icecache", "quest", "page_random"):
+                dec = DecodeConfig(dense_layers=args.dense_layers, recall_k=args.recall_k)
+                resp = serve(rt, name, b, dec, prefix, query, forced[:args.recall_steps])
+                recall.append({"policy": name, "budget": b, "k": args.recall_k,
+                               "recall": resp.stats.index_recall})
+    print(f"{args.model}, {args.text}: prefix {args.prefix_tokens} tokens, {args.steps} "
+          f"teacher-forced decode steps, dense layers {args.dense_layers}")
+    head = (f"{'policy':<22}{'KL mean':>9}{'KL max':>8}{'top1':>7}{'ppl':>8}{'TPOT ms':>9}"
+            f"{'sel ms':>8}{'KiB/step':>10}{'vs full':>8}{'build s':>9}{'prefill s':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['policy']:<22}{r['kl_mean']:>9.4f}{r['kl_max']:>8.3f}{r['top1_agree']:>7.3f}"
+              f"{r['ppl']:>8.2f}{r['tpot_ms']:>9.1f}{r['select_ms_per_step']:>8.1f}"
+              f"{r['bytes_per_step'] / 1024:>10.1f}{r['bytes_vs_full']:>8.3f}"
+              f"{r['index_build_s']:>9.2f}{r['prefill_s']:>10.2f}")
+    print(f"\nindex recall of the true top-{args.recall_k} keys per query head "
+          f"({args.recall_steps} steps, all sparse layers):")
+    for b in args.budgets:
+        line = "  ".join(f"{x['policy']} {x['recall']:.3f}" for x in recall if x["budget"] == b)
+        print(f"  budget {b:>4}: {line}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    write_json(args.json, {"model": args.model, "text": args.text,
+                           "prefix_tokens": args.prefix_tokens, "steps": args.steps,
+                           "dense_layers": args.dense_layers, "results": rows,
+                           "recall": recall})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("python -m experiments.icecache_eval", main))

@@ -1,0 +1,368 @@
+"""The paper's experiments on this runtime: JSON results and figures under one folder.
+
+    python -m experiments.reproduce [--quick] [--out results] [--model smollm2-135m]
+                                    [--parts serving,ablation,...] [--rerun-accuracy]
+
+Parts (each writes results/<part>.json and results/<part>.png):
+  serving      TTFT per policy, mean and P99 with its breakdown (paper Fig. 16), and I/O
+               time (Fig. 17), on a workload of reused natural-text prefixes, tiers smaller
+               than the pool (GPU 10%, CPU 25% of the pool's KV bytes), cold O_DIRECT reads.
+  ablation     AS-like, +ITF, +RO, All (Fig. 18) on the same workload; chunks loaded
+               with and without reordering (Fig. 20); GPU hit ratio by tier policy, LRU /
+               LFU / score (Fig. 21).
+  sensitivity  impress against retention, chunk size (16-256), threshold (fixed / adaptive
+               alpha / none), probe heads, and pool size (prefixes per fixed tier capacity):
+               bytes loaded, KL against full KV, TTFT.
+  scaling      prefix length 1k -> 8k: bytes read and TTFT per policy, all from disk.
+  padded       the paper-faithful workload (short real prefixes left-padded with masked
+               pad tokens to ~5k positions) beside the same real prefixes unpadded: bytes
+               read and KL per policy; padding makes a retention budget look generous.
+  overheads    probe time share of TTFT, probe-copy and metadata space against the KV,
+               reorder time (from the serving part).
+  peers        transformers (recompute, past_key_values in memory, torch.save/torch.load
+               disk cache), FlexGen's own loop and top-k sparsity, and this runtime, on the
+               same requests (experiments.peers).
+  accuracy     task accuracy per policy and retention (Fig. 15; experiments.accuracy):
+               quick mode runs the quick suite; otherwise results/accuracy.json is reused if
+               present (it takes long), or made.
+
+All rows of a part are measured side by side in one process; KL is against `full` on the
+same requests. Times come from a shared CPU machine: compare rows within a part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from experiments import reproduce_figures as figures
+from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.engine import TierSizes
+from impress_flexgen.errors import UserError
+from impress_flexgen.runtime import Runtime, RuntimeConfig
+from impress_flexgen.serving import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.workload import WorkloadConfig, build_workload
+
+PARTS = ("serving", "ablation", "sensitivity", "scaling", "padded", "overheads", "peers",
+         "accuracy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    serving: WorkloadConfig
+    sensitivity: WorkloadConfig
+    scaling_lengths: tuple[int, ...]
+    scaling_queries: int
+    pool_sizes: tuple[int, ...]
+    padded: WorkloadConfig = WorkloadConfig(n_prefixes=3, prefix_tokens=5120, real_tokens=512,
+                                            queries_per_prefix=2, mode="padded")
+
+
+FULL = Sizes(WorkloadConfig(n_prefixes=3, prefix_tokens=2048, queries_per_prefix=3),
+             WorkloadConfig(n_prefixes=2, prefix_tokens=1024, queries_per_prefix=2),
+             (1024, 2048, 4096), 2, (2, 4, 8),
+             WorkloadConfig(n_prefixes=2, prefix_tokens=4096, real_tokens=512,
+                            queries_per_prefix=2, mode="padded"))
+QUICK = Sizes(WorkloadConfig(n_prefixes=2, prefix_tokens=512, queries_per_prefix=2),
+              WorkloadConfig(n_prefixes=2, prefix_tokens=256, queries_per_prefix=1,
+                             query_tokens=32),
+              (256, 512), 1, (1, 2),
+              WorkloadConfig(n_prefixes=2, prefix_tokens=512, real_tokens=128,
+                             queries_per_prefix=1, query_tokens=32, mode="padded"))
+
+
+def serving_runs() -> list[RunConfig]:
+    return [
+        RunConfig("full", "full", 1.0),
+        RunConfig("recomp", "recomp", 1.0),
+        RunConfig("as_like", "as_like", 1.0),
+        RunConfig("as_h2o_lru", "as_h2o_lru"),
+        RunConfig("as_h2o_lfu", "as_h2o_lfu"),
+        RunConfig("impress", "impress"),
+        RunConfig("impress-token (paper)", "impress", granularity="token", threshold="adaptive",
+                  probe_heads="first:3", probe_format="fp16", chunk_size=64),
+    ]
+
+
+ABLATION_RUNS = [RunConfig("+ITF", "impress:itf"), RunConfig("+ITF+RO", "impress:itf_ro"),
+                 RunConfig("impress, LRU tiers", "impress", tier_policy="lru"),
+                 RunConfig("impress, LFU tiers", "impress", tier_policy="lfu")]
+
+
+def sensitivity_runs() -> list[tuple[str, str, RunConfig]]:
+    """(knob, value, config): one knob at a time from the default impress configuration."""
+    base = RunConfig("impress", "impress")
+    out = [("retention", str(r), dataclasses.replace(base, retention=r))
+           for r in (0.05, 0.1, 0.25, 0.5)]
+    out += [("chunk_size", str(c), dataclasses.replace(base, chunk_size=c))
+            for c in (16, 32, 64, 128, 256)]
+    out += [("threshold", "none", base)]
+    out += [("threshold", f"fixed {t}", dataclasses.replace(base, threshold="fixed",
+                                                            threshold_value=t))
+            for t in (0.8, 0.85, 0.9)]
+    out += [("threshold", f"adaptive {a}", dataclasses.replace(base, threshold="adaptive",
+                                                               adaptive_alpha=a))
+            for a in (0.3, 0.6, 1.0)]
+    out += [("probe_heads", h, dataclasses.replace(base, probe_heads=h))
+            for h in ("first:1", "first:3", "group", "all")]
+    return [(k, v, dataclasses.replace(r, label=f"{k}={v}")) for k, v, r in out]
+
+
+# -- parts ------------------------------------------------------------------------------
+class Reproduction:
+    def __init__(self, args, sizes: Sizes):
+        self.args, self.sizes = args, sizes
+        self.out = Path(args.out)
+        self.root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
+        self.cache: dict[str, dict] = {}
+
+    def tiers_for(self, rt, wl_config: WorkloadConfig, n_prefixes: int | None = None
+                  ) -> TierSizes:
+        pool = (n_prefixes or wl_config.n_prefixes) * wl_config.prefix_tokens \
+            * kv_bytes_per_token(rt)
+        return TierSizes(int(pool * 0.10), int(pool * 0.25))
+
+    def serve_all(self, rt, wl, runs, tiers, label: str) -> list[dict]:
+        reference: dict = {}
+        rows = []
+        with tqdm(total=len(runs) * len(wl.queries), desc=label, unit="req") as bar:
+            for run in runs:
+                rows.append(run_workload(rt, wl, run, tiers, store_root=self.root,
+                                         reference=reference, progress=bar))
+        return rows
+
+    def serving(self, rt) -> dict:
+        if "serving" in self.cache:
+            return self.cache["serving"]
+        cfg = self.sizes.serving
+        wl = build_workload(rt.tokenizer, cfg)
+        tiers = self.tiers_for(rt, cfg)
+        runs = serving_runs() + (ABLATION_RUNS if "ablation" in self.args.parts else [])
+        rows = self.serve_all(rt, wl, runs, tiers, "serving")
+        result = {"workload": dataclasses.asdict(cfg), "sources": wl.sources,
+                  "tiers": dataclasses.asdict(tiers), "results": rows}
+        self.cache["serving"] = result
+        return result
+
+    def part_serving(self, rt) -> dict:
+        res = self.serving(rt)
+        labels = {r.label for r in serving_runs()}
+        out = {**res, "results": [r for r in res["results"] if r["label"] in labels]}
+        figures.serving(out, self.out / "serving.png")
+        return out
+
+    def part_ablation(self, rt) -> dict:
+        res = self.serving(rt)
+        by = {r["label"]: r for r in res["results"]}
+        ablation = [by["as_like"], by["+ITF"], by["+ITF+RO"], by["impress"]]
+        names = ["AS-like", "+ITF", "+ITF+RO", "All (impress)"]
+        tiers = [by["impress, LRU tiers"], by["impress, LFU tiers"], by["impress"]]
+        out = {"workload": res["workload"], "tiers": res["tiers"],
+               "ablation": [_pick(r, name) for r, name in zip(ablation, names)],
+               "reorder": {"without": by["+ITF"]["chunks_loaded"],
+                           "with": by["+ITF+RO"]["chunks_loaded"],
+                           "disk_chunks_without": by["+ITF"]["chunks_read"],
+                           "disk_chunks_with": by["+ITF+RO"]["chunks_read"]},
+               "gpu_hit_ratio": {name: r["gpu_hit_ratio"] for name, r in
+                                 zip(("LRU", "LFU", "score (impress)"), tiers)},
+               "cpu_hit_ratio": {name: _cpu_hit(r) for name, r in
+                                 zip(("LRU", "LFU", "score (impress)"), tiers)}}
+        figures.ablation(out, self.out / "ablation.png")
+        return out
+
+    def part_sensitivity(self, rt) -> dict:
+        cfg = self.sizes.sensitivity
+        wl = build_workload(rt.tokenizer, cfg)
+        tiers = self.tiers_for(rt, cfg)
+        items = sensitivity_runs()
+        runs = [RunConfig("full", "full", 1.0)]
+        seen: dict[RunConfig, int] = {}
+        for _, _, run in items:
+            key = dataclasses.replace(run, label="")
+            if key not in seen:
+                seen[key] = len(runs)
+                runs.append(run)
+        rows = self.serve_all(rt, wl, runs, tiers, "sensitivity")
+        table = []
+        for knob, value, run in items:
+            r = rows[seen[dataclasses.replace(run, label="")]]
+            table.append({"knob": knob, "value": value, **_pick(r, run.label)})
+        # Pool size: more prefixes than the (fixed) tiers hold.
+        pool = []
+        fixed = self.tiers_for(rt, cfg, self.sizes.pool_sizes[0])
+        for n in self.sizes.pool_sizes:
+            wl_n = build_workload(rt.tokenizer, dataclasses.replace(cfg, n_prefixes=n))
+            (r,) = self.serve_all(rt, wl_n, [RunConfig("impress", "impress")], fixed,
+                                  f"pool {n}")
+            pool.append({"knob": "pool_prefixes", "value": str(n), **_pick(r, f"pool={n}")})
+        out = {"workload": dataclasses.asdict(cfg), "tiers": dataclasses.asdict(tiers),
+               "results": table, "pool": pool}
+        figures.sensitivity(out, self.out / "sensitivity.png")
+        return out
+
+    def part_scaling(self, rt) -> dict:
+        runs = [RunConfig("recomp", "recomp", 1.0), RunConfig("full", "full", 1.0),
+                RunConfig("as_h2o_lfu", "as_h2o_lfu"), RunConfig("impress", "impress")]
+        limit = rt.spec.config.max_seq_len
+        rows = []
+        for n in self.sizes.scaling_lengths:
+            cfg = WorkloadConfig(n_prefixes=1, prefix_tokens=n,
+                                 queries_per_prefix=self.sizes.scaling_queries)
+            if n + cfg.query_tokens > limit:
+                print(f"scaling: {n} tokens exceed {rt.spec.name}'s {limit} positions; skipped")
+                continue
+            wl = build_workload(rt.tokenizer, cfg)
+            for r in self.serve_all(rt, wl, runs, TierSizes(), f"{n} tokens"):
+                rows.append({"prefix_tokens": n, **_pick(r, r["label"]),
+                             "bytes_read_total": sum(r["bytes_read"].values())
+                             + r["probe_bytes"]})
+        out = {"results": rows}
+        figures.scaling(out, self.out / "scaling.png")
+        return out
+
+    def part_padded(self, rt) -> dict:
+        runs = [RunConfig("full", "full", 1.0), RunConfig("as_h2o_lfu", "as_h2o_lfu"),
+                RunConfig("impress", "impress"),
+                RunConfig("impress-token (paper)", "impress", granularity="token",
+                          threshold="adaptive", probe_heads="first:3", probe_format="fp16",
+                          chunk_size=64)]
+        padded = self.sizes.padded
+        natural = dataclasses.replace(padded, mode="natural", prefix_tokens=padded.real_tokens)
+        rows = []
+        for name, cfg in (("natural", natural), ("padded", padded)):
+            wl = build_workload(rt.tokenizer, cfg)
+            for r in self.serve_all(rt, wl, runs, self.tiers_for(rt, cfg), name):
+                rows.append({"workload": name, "positions": cfg.prefix_tokens,
+                             "real_tokens": padded.real_tokens, **_pick(r, r["label"])})
+        out = {"workload": dataclasses.asdict(padded), "results": rows}
+        figures.padded(out, self.out / "padded.png")
+        return out
+
+    def part_overheads(self, rt) -> dict:
+        res = self.serving(rt)
+        rows = []
+        for r in res["results"]:
+            if r["policy"] not in ("impress", "as_h2o_lfu", "as_like", "full"):
+                continue
+            b = r["ttft_breakdown_s"]
+            space = r.get("space") or {}
+            kv = space.get("kv_bytes") or 0
+            rows.append({"label": r["label"], "ttft_mean_s": r["ttft_mean_s"],
+                         "probe_s": b["probe_s"], "select_s": b["select_s"],
+                         "probe_share_of_ttft": b["probe_s"] / r["ttft_mean_s"],
+                         "select_share_of_ttft": b["select_s"] / r["ttft_mean_s"],
+                         "probe_space_fraction": space.get("probe_bytes", 0) / kv if kv else None,
+                         "metadata_space_fraction": space.get("metadata_bytes", 0) / kv
+                         if kv else None, "space": space, "reorder_s": r.get("reorder_s", 0.0),
+                         "reorders": r["reorders"]})
+        out = {"results": rows}
+        figures.overheads(out, self.out / "overheads.png")
+        return out
+
+    def part_peers(self, rt) -> dict:
+        from experiments import peers
+
+        path = self.out / "peers.json"
+        argv = ["--json", str(path), "--model", self.args.model,
+                "--sparsity-model", self.args.sparsity_model]
+        argv += ["--quick"] if self.args.quick else []
+        if self.args.store_root:
+            argv += ["--store-root", self.args.store_root]
+        peers.main(argv)
+        out = json.loads(path.read_text())
+        figures.peers(out, self.out / "peers.png")
+        return out
+
+    def part_accuracy(self, rt) -> dict:
+        from experiments import accuracy
+
+        path = self.out / "accuracy.json"
+        if self.args.quick or self.args.rerun_accuracy or not path.exists():
+            argv = ["--json", str(path), "--figure", str(self.out / "accuracy.png")]
+            accuracy.main(argv + (["--quick"] if self.args.quick else []))
+        out = json.loads(path.read_text())
+        if out.get("results"):
+            accuracy.plot(out["results"], str(self.out / "accuracy.png"), out["model"])
+        return out
+
+
+def _pick(r: dict, label: str) -> dict:
+    keys = ("ttft_mean_s", "ttft_p99_s", "ttft_breakdown_s", "io_time_s", "bytes_loaded_fraction",
+            "bytes_read", "probe_bytes", "kl", "top1_agreement", "fallback_rate",
+            "gpu_hit_ratio", "chunks_read", "chunks_loaded", "read_amplification")
+    return {"label": label, **{k: r.get(k) for k in keys}}
+
+
+def _cpu_hit(r: dict) -> float | None:
+    cpu = (r.get("tiers") or {}).get("cpu")
+    if not cpu:
+        return None
+    total = cpu["hits"] + cpu["misses"]
+    return cpu["hits"] / total if total else 0.0
+
+
+# -- command line -----------------------------------------------------------------------
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m experiments.reproduce",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
+    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--scaling-lengths",
+                   help="comma-separated prefix lengths of the scaling part (default "
+                        "1024,2048,4096; quick 256,512); 8064 fits smollm2 but its dense "
+                        "8k x 8k prefill masks take about 10 minutes per request on a CPU")
+    p.add_argument("--rerun-accuracy", action="store_true",
+                   help="remake results/accuracy.json even if present")
+    p.add_argument("--sparsity-model", default="opt-125m",
+                   help="OPT shape for FlexGen's top-k sparsity rows of the peers part")
+    p.add_argument("--store-root", help="where stores go (default: the temp dir)")
+    p.add_argument("--json", metavar="PATH", help="also write every part into one JSON file")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    if not parts or any(x not in PARTS for x in parts):
+        p.error(f"--parts: choose from {', '.join(PARTS)}")
+    args.parts = [x for x in PARTS if x in parts]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out}: {exc.strerror}") from None
+    sizes = QUICK if args.quick else FULL
+    if args.scaling_lengths:
+        try:
+            lengths = tuple(int(x) for x in args.scaling_lengths.split(","))
+        except ValueError:
+            raise UserError("--scaling-lengths: comma-separated integers") from None
+        sizes = dataclasses.replace(sizes, scaling_lengths=lengths)
+    rep = Reproduction(args, sizes)
+    everything = {"model": args.model, "quick": args.quick, "parts": {}}
+    with Runtime(RuntimeConfig(model=args.model)) as rt:
+        for part in args.parts:
+            t0 = time.perf_counter()
+            result = getattr(rep, f"part_{part}")(rt)
+            result = {"model": args.model, "quick": args.quick,
+                      "elapsed_s": time.perf_counter() - t0, **result}
+            if part not in ("peers", "accuracy"):      # those write their own JSON
+                write_json(str(out / f"{part}.json"), result)
+            everything["parts"][part] = result
+            print(f"{part}: {out / (part + '.json')}, {out / (part + '.png')} "
+                  f"({result['elapsed_s']:.0f} s)")
+    if args.json:
+        write_json(args.json, everything)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(run_main("python -m experiments.reproduce", main))
