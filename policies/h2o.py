@@ -37,6 +37,7 @@ class AsH2O(ServingPolicy):
                             (ctx.q @ ctx.k_new.repeat_interleave(g, 0).transpose(1, 2))
                             .masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(),
                                          float("-inf"))], dim=-1) / math.sqrt(d)
+        logits[..., : ctx.n_pad] = float("-inf")     # pad tokens: never heavy hitters
         probs = torch.softmax(logits, dim=-1)[..., :n].sum(dim=1)      # (H, n)
         per_kv = probs.view(-1, g, n).sum(dim=1)                       # (KV, n)
         keep = torch.zeros_like(per_kv, dtype=torch.bool)
