@@ -398,7 +398,9 @@ class DiskReader:
         Extents (one length, offsets in an array: no per-extent Python objects).
 
         checks (with a list): None, or per extent (payload_len, crc32) to verify on its
-        first payload_len bytes; an Extents carries its own. Returns a handle for wait().
+        first payload_len bytes, or a list [(start, payload_len, crc32, index)] of payloads
+        inside the extent (a mismatch reports `index`); an Extents carries its own. Returns a
+        handle for wait().
         A missing file raises FileNotFoundError here.
         """
         ent = self._acquire(path)
@@ -413,8 +415,13 @@ class DiskReader:
                     these = []
                     if checks is not None:
                         for i in members:
-                            payload, crc = checks[i]
-                            these.append((i, extents[i][0] - r_off, payload, int(crc)))
+                            base = extents[i][0] - r_off
+                            if isinstance(checks[i], list):   # several payloads in one extent
+                                these += [(index, base + start, payload, int(crc))
+                                          for start, payload, crc, index in checks[i]]
+                            else:
+                                payload, crc = checks[i]
+                                these.append((i, base, payload, int(crc)))
                     plan.append((r_off, r_len, members, these))
             for r_off, r_len, members, these in plan:
                 data = self.buffers.get(r_len)

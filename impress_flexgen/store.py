@@ -401,7 +401,7 @@ class PrefixStore:
     def _read_packed(self, entry: LayerEntry, kind: str, chunk_ids, node
                      ) -> tuple[list[torch.Tensor], int]:
         """Packed layout: each run of consecutive chunks is read as the pages it touches."""
-        from disk_layout.io import MAX_RUN_BYTES, ChecksumMismatch
+        from disk_layout.io import MAX_RUN_BYTES
 
         lay = entry.layout
         ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
@@ -428,26 +428,25 @@ class PrefixStore:
                 hi = align_up(int(offs[g1 - 1]) + size)
                 groups.append((g0, g1))
                 extents.append((lo, hi - lo))
-        runs = self._read(node, entry, extents, runs=True)
+        # CRCs are checked by the reader threads as each run lands.
+        checks = [[(int(offs[j]) - lo, size, int(crcs[j]), j) for j in range(g0, g1)]
+                  for (g0, g1), (lo, _) in zip(groups, extents)]
+
+        def describe(j: int) -> str:
+            self.metrics.corruptions += 1
+            return f"layer {entry.layer} {kind.upper()} chunk {int(sorted_ids[j])}: CRC mismatch"
+
+        runs = self._read(node, entry, extents, checks=checks, describe=describe, runs=True)
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
         chunks: list[torch.Tensor] = []
-        try:
-            for run in runs:
-                # Slices of the run's buffer (not copies), so the buffer pool sees them.
-                checks = []
-                for i in run.members:
-                    g0, g1 = groups[i]
-                    base = extents[i][0] - run.offset
-                    checks += [(j, base + int(offs[j]) - extents[i][0], size, int(crcs[j]))
-                               for j in range(g0, g1)]
-                self.reader.verify(run.data, checks)
-                for j, start, _, _ in checks:
-                    chunks.append(run.data[start:start + size].view(torch.float16).view(shape))
-        except ChecksumMismatch as exc:
-            self.metrics.corruptions += 1
-            raise CorruptNode(self._node(node, entry),
-                              f"layer {entry.layer} {kind.upper()} chunk "
-                              f"{int(sorted_ids[exc.index])}: CRC mismatch") from None
+        for run in runs:
+            for i in run.members:
+                # One view per group of adjacent chunks (slices of the run's buffer, so the
+                # buffer pool sees them), split into chunks.
+                g0, g1 = groups[i]
+                start = int(offs[g0]) - run.offset
+                span = run.data[start:start + (g1 - g0) * size]
+                chunks.extend(span.view(torch.float16).view(g1 - g0, *shape).unbind(0))
         if np.any(order[1:] < order[:-1]):
             out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
             for j, i in enumerate(order.tolist()):
