@@ -366,6 +366,8 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
                 # that sorts every token by importance (the first design).
                 RunConfig("impress-noreorder", "impress:itf", x),
                 RunConfig("impress (sort all)", "impress", x, reorder_hot_fraction=1.0),
+                # IceCache's layout on disk: chunks of similar keys instead of importance.
+                RunConfig("impress (semantic layout)", "impress", x, reorder_by="semantic"),
             ]
     return runs
 
@@ -489,7 +491,8 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
             store = open_store(tmp, ctx.runtime, cfg, policy, chunk_size=run.chunk_size,
                                probe_format=run.probe_format, reorder_interval=10**9,
                                direct_io=False,
-                               reorder_hot_fraction=run.reorder_hot_fraction)
+                               reorder_hot_fraction=run.reorder_hot_fraction,
+                               reorder_by=run.reorder_by)
         engine = Engine(ctx.runtime, store, policy, TierSizes())
         needed = sorted({p for task in tasks_to_run for p in t.prefixes_of(task)})
         if store is not None:

@@ -174,13 +174,15 @@ def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int
 def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
                policy: ServingPolicy, chunk_size: int = 64, probe_format: str = "int4",
                disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
-               direct_io: bool = True, reorder_hot_fraction: float = 0.25) -> PrefixStore:
+               direct_io: bool = True, reorder_hot_fraction: float = 0.25,
+               reorder_by: str = "importance") -> PrefixStore:
     """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
     _, probe_kv = probe_setup(runtime.spec, config)
     store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
                             disk_capacity_bytes=disk_capacity_bytes,
                             reorder_interval=reorder_interval if policy.reorder else 0,
-                            direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction)
+                            direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
+                            reorder_by=reorder_by)
     return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
 
 

@@ -50,6 +50,9 @@ def parse_args(argv):
     g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
     g.add_argument("--reorder-interval", type=int, default=50,
                    help="queries between background reorders (policies that reorder)")
+    g.add_argument("--reorder-by", choices=("importance", "semantic"), default="importance",
+                   help="how a reorder lays a prefix out: by accumulated importance, or in "
+                        "chunks of similar keys (IceCache's semantic pages)")
     g.add_argument("--reorder-hot-fraction", type=float, default=0.25,
                    help="share of a prefix's tokens a reorder packs by importance; the rest "
                         "keep their order (0.25; 1 sorts every token)")
@@ -164,7 +167,8 @@ def serve(rt, args) -> int:
             run = RunConfig(name, name, args.retention, args.granularity, args.threshold,
                             args.threshold_value, args.adaptive_alpha, args.probe_heads,
                             args.probe_format, args.chunk_size,
-                            reorder_hot_fraction=args.reorder_hot_fraction)
+                            reorder_hot_fraction=args.reorder_hot_fraction,
+                            reorder_by=args.reorder_by)
             store_dir = root / _store_name(name, args)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")
@@ -216,7 +220,8 @@ def _store_name(policy: str, args) -> str:
     """Policies that can share a store layout share nothing else: one store each, named by
     what shapes its files (chunk size, probe format) and by whether it is reordered; v2:
     chunks packed when they are not whole pages (stores of the aligned layout stay apart)."""
-    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}-v2"
+    layout = "-semantic" if getattr(args, "reorder_by", "importance") == "semantic" else ""
+    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}-v2{layout}"
 
 
 def print_summary(results, check: bool) -> None:

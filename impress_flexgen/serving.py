@@ -37,6 +37,7 @@ class RunConfig:
     chunk_size: int = 16
     decode_over: str = "kept"
     reorder_hot_fraction: float = 0.25   # see StoreConfig
+    reorder_by: str = "importance"       # or "semantic" (StoreConfig)
     tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
 
     def serving(self) -> ServingConfig:
@@ -88,7 +89,8 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                                probe_format=run.probe_format,
                                disk_capacity_bytes=disk_capacity_bytes,
                                reorder_interval=reorder_interval or 10**9,
-                               reorder_hot_fraction=run.reorder_hot_fraction)
+                               reorder_hot_fraction=run.reorder_hot_fraction,
+                               reorder_by=run.reorder_by)
         engine = Engine(runtime, store, policy, tiers)
         for p, prefix in enumerate(workload.prefixes):
             engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
