@@ -109,7 +109,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
 from impress_flexgen.corpus import list_texts, load_text, passages
 from impress_flexgen.engine import Engine, FamilyMath, Request, TierSizes, open_store
 from impress_flexgen.errors import UserError
@@ -488,11 +488,8 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
     store = None
     try:
         if policy.reuse:
-            store = open_store(tmp, ctx.runtime, cfg, policy, chunk_size=run.chunk_size,
-                               probe_format=run.probe_format, reorder_interval=10**9,
-                               direct_io=False,
-                               reorder_hot_fraction=run.reorder_hot_fraction,
-                               reorder_by=run.reorder_by)
+            store = open_store(tmp, ctx.runtime, cfg, policy, reorder_interval=10**9,
+                               direct_io=False, **run.store_options())
         engine = Engine(ctx.runtime, store, policy, TierSizes())
         needed = sorted({p for task in tasks_to_run for p in t.prefixes_of(task)})
         if store is not None:
@@ -632,10 +629,7 @@ def parse_args(argv):
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--figure", metavar="PATH", help="PNG: score against retention per policy")
     args = p.parse_args(argv)
-    tasks = [x for x in args.tasks.split(",") if x]
-    if not tasks or any(x not in TASKS for x in tasks):
-        p.error(f"--tasks: choose from {', '.join(TASKS)}")
-    args.tasks = [x for x in TASKS if x in tasks]
+    args.tasks = choose_list(p, "--tasks", args.tasks, TASKS)
     try:
         args.retentions = (tuple(float(x) for x in args.retentions.split(","))
                            if args.retentions else ((0.25,) if args.quick else RETENTIONS))

@@ -226,9 +226,8 @@ def record_trace(args, wcfg: WorkloadConfig, root: Path, log=print) -> Trace:
         tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         policy = Recorder(cfg)
         tmp = Path(tempfile.mkdtemp(prefix="trace-store-", dir=root))
-        store = open_store(tmp, rt, cfg, policy, chunk_size=run.chunk_size,
-                           probe_format=run.probe_format, reorder_interval=10**9,
-                           reorder_hot_fraction=run.reorder_hot_fraction)
+        store = open_store(tmp, rt, cfg, policy, reorder_interval=10**9,
+                           **run.store_options())
         requests = []
         try:
             engine = Engine(rt, store, policy, tiers)

@@ -102,8 +102,8 @@ def hugging_face_rows(spec, prefix, queries, workdir: Path) -> tuple[list[dict],
     # The reuse paths must compute what recomputing computes.
     diff = max(float((logits[(m, qi)] - logits[("recompute", qi)]).abs().max())
                for m in ("memory", "disk") for qi in range(len(queries)))
-    rows = [_row(label, t, queries) for label, t in times.items()]
-    rows[2]["file_bytes"] = file_bytes
+    rows = [_row(label, t, queries, **({"file_bytes": file_bytes} if label == "hf-disk" else {}))
+            for label, t in times.items()]
     del model
     return rows, {"max_logit_diff_reuse_vs_recompute": diff, "prefix_tokens": n}
 

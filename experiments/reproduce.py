@@ -41,7 +41,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments import reproduce_figures as figures
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
 from impress_flexgen.engine import TierSizes
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
@@ -281,13 +281,14 @@ class Reproduction:
     def part_accuracy(self, rt) -> dict:
         from experiments import accuracy
 
-        path = self.out / "accuracy.json"
+        path, figure = self.out / "accuracy.json", self.out / "accuracy.png"
         if self.args.quick or self.args.rerun_accuracy or not path.exists():
-            argv = ["--json", str(path), "--figure", str(self.out / "accuracy.png")]
-            accuracy.main(argv + (["--quick"] if self.args.quick else []))
-        out = json.loads(path.read_text())
+            argv = ["--json", str(path), "--figure", str(figure)]
+            accuracy.main(argv + (["--quick"] if self.args.quick else []))     # plots too
+            return json.loads(path.read_text())
+        out = json.loads(path.read_text())       # reused: redraw its figure
         if out.get("results"):
-            accuracy.plot(out["results"], str(self.out / "accuracy.png"), out["model"])
+            accuracy.plot(out["results"], str(figure), out["model"])
         return out
 
 
@@ -326,10 +327,7 @@ def parse_args(argv):
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
     p.add_argument("--json", metavar="PATH", help="also write every part into one JSON file")
     args = p.parse_args(argv)
-    parts = [x for x in args.parts.split(",") if x]
-    if not parts or any(x not in PARTS for x in parts):
-        p.error(f"--parts: choose from {', '.join(PARTS)}")
-    args.parts = [x for x in PARTS if x in parts]
+    args.parts = choose_list(p, "--parts", args.parts, PARTS)
     return args
 
 

@@ -39,6 +39,14 @@ def write_json(path: str | None, payload: dict) -> None:
         raise UserError(f"cannot write {path}: {exc.strerror}") from None
 
 
+def choose_list(p: argparse.ArgumentParser, option: str, text: str, choices) -> list[str]:
+    """A comma-separated subset of `choices`, returned in their order; else a usage error."""
+    picked = [x for x in text.split(",") if x]
+    if not picked or any(x not in choices for x in picked):
+        p.error(f"{option}: choose from {', '.join(choices)}")
+    return [x for x in choices if x in picked]
+
+
 def placement_arg(text: str):
     """--placement: a name (gpu, cpu, disk, mixed) or six comma-separated percentages."""
     from .runtime import Placement

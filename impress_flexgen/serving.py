@@ -40,6 +40,12 @@ class RunConfig:
     reorder_by: str = "importance"       # or "semantic" (StoreConfig)
     tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
 
+    def store_options(self) -> dict:
+        """The knobs of this row that shape its store (open_store keyword arguments)."""
+        return {"chunk_size": self.chunk_size, "probe_format": self.probe_format,
+                "reorder_hot_fraction": self.reorder_hot_fraction,
+                "reorder_by": self.reorder_by}
+
     def serving(self) -> ServingConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
                              threshold=self.threshold, threshold_value=self.threshold_value,
@@ -85,12 +91,10 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
     store = None
     try:
         if policy.reuse:
-            store = open_store(store_dir or tmp, runtime, cfg, policy, chunk_size=run.chunk_size,
-                               probe_format=run.probe_format,
+            store = open_store(store_dir or tmp, runtime, cfg, policy,
                                disk_capacity_bytes=disk_capacity_bytes,
                                reorder_interval=reorder_interval or 10**9,
-                               reorder_hot_fraction=run.reorder_hot_fraction,
-                               reorder_by=run.reorder_by)
+                               **run.store_options())
         engine = Engine(runtime, store, policy, tiers)
         for p, prefix in enumerate(workload.prefixes):
             engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))

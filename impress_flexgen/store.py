@@ -361,27 +361,41 @@ class PrefixStore:
     def _read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None
                      ) -> tuple[list[torch.Tensor], int]:
         """read_chunks() and the bytes read from disk for them (padding included)."""
-        from disk_layout.io import Extents
-
         lay = entry.layout
-        if lay.packed:
-            return self._read_packed(entry, kind, chunk_ids, node)
         ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
         if len(ids) == 0:
-            return []
+            return [], 0
         if ids.min() < 0 or ids.max() >= lay.n_chunks:
             raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
-        stride = lay.chunk_stride
         first_crc = 1 + (0 if kind == "k" else lay.n_chunks)
-        extents = Extents(lay.chunk_offset(kind, 0) + sorted_ids * stride, stride,
-                          lay.chunk_bytes, entry.crcs[first_crc + sorted_ids])
+        crcs = entry.crcs[first_crc + sorted_ids]
 
         def describe(j: int) -> str:
             self.metrics.corruptions += 1
             return f"layer {entry.layer} {kind.upper()} chunk {int(sorted_ids[j])}: CRC mismatch"
 
+        read = self._read_packed if lay.packed else self._read_aligned
+        chunks, nbytes = read(entry, kind, sorted_ids, crcs, node, describe)
+        if np.any(order[1:] < order[:-1]):
+            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+            for j, i in enumerate(order.tolist()):
+                out[i] = chunks[j]
+            chunks = out
+        self.metrics.chunks_read += len(ids)
+        self.metrics.bytes_read += nbytes
+        return chunks, nbytes
+
+    def _read_aligned(self, entry: LayerEntry, kind: str, sorted_ids, crcs, node, describe
+                      ) -> tuple[list[torch.Tensor], int]:
+        """Page-aligned layout: every chunk is whole pages, runs of them are single reads."""
+        from disk_layout.io import Extents
+
+        lay = entry.layout
+        stride = lay.chunk_stride
+        extents = Extents(lay.chunk_offset(kind, 0) + sorted_ids * stride, stride,
+                          lay.chunk_bytes, crcs)
         runs = self._read(node, entry, extents, describe=describe, runs=True)
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
         chunks: list[torch.Tensor] = []
@@ -389,34 +403,18 @@ class PrefixStore:
             m = len(run.members)
             payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(torch.float16)
             chunks.extend(payload.view(m, *shape).unbind(0))
-        if np.any(order[1:] < order[:-1]):
-            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-            for j, i in enumerate(order.tolist()):
-                out[i] = chunks[j]
-            chunks = out
-        self.metrics.chunks_read += len(ids)
-        self.metrics.bytes_read += len(ids) * stride
-        return chunks, len(ids) * stride
+        return chunks, len(sorted_ids) * stride
 
-    def _read_packed(self, entry: LayerEntry, kind: str, chunk_ids, node
+    def _read_packed(self, entry: LayerEntry, kind: str, sorted_ids, crcs, node, describe
                      ) -> tuple[list[torch.Tensor], int]:
         """Packed layout: each run of consecutive chunks is read as the pages it touches."""
         from disk_layout.io import MAX_RUN_BYTES
 
         lay = entry.layout
-        ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
-        if len(ids) == 0:
-            return [], 0
-        if ids.min() < 0 or ids.max() >= lay.n_chunks:
-            raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
         size = lay.chunk_bytes
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
         offs = lay.chunk_offset(kind, 0) + sorted_ids * size
-        first_crc = 1 + (0 if kind == "k" else lay.n_chunks)
-        crcs = entry.crcs[first_crc + sorted_ids]
         breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-        bounds = [0, *breaks.tolist(), len(ids)]
+        bounds = [0, *breaks.tolist(), len(sorted_ids)]
         per_run = max(1, MAX_RUN_BYTES // size)
         groups, extents = [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -431,11 +429,6 @@ class PrefixStore:
         # CRCs are checked by the reader threads as each run lands.
         checks = [[(int(offs[j]) - lo, size, int(crcs[j]), j) for j in range(g0, g1)]
                   for (g0, g1), (lo, _) in zip(groups, extents)]
-
-        def describe(j: int) -> str:
-            self.metrics.corruptions += 1
-            return f"layer {entry.layer} {kind.upper()} chunk {int(sorted_ids[j])}: CRC mismatch"
-
         runs = self._read(node, entry, extents, checks=checks, describe=describe, runs=True)
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
         chunks: list[torch.Tensor] = []
@@ -447,15 +440,7 @@ class PrefixStore:
                 start = int(offs[g0]) - run.offset
                 span = run.data[start:start + (g1 - g0) * size]
                 chunks.extend(span.view(torch.float16).view(g1 - g0, *shape).unbind(0))
-        if np.any(order[1:] < order[:-1]):
-            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-            for j, i in enumerate(order.tolist()):
-                out[i] = chunks[j]
-            chunks = out
-        nbytes = sum(length for _, length in extents)
-        self.metrics.chunks_read += len(ids)
-        self.metrics.bytes_read += nbytes
-        return chunks, nbytes
+        return chunks, sum(length for _, length in extents)
 
     def load_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None,
                     ratios=None) -> tuple[list[torch.Tensor], dict[str, int]]:
@@ -838,15 +823,21 @@ class PrefixStore:
                 done += 1
         return done
 
-    def _importance_order(self, node: RadixNode, importance: np.ndarray) -> np.ndarray:
-        """Physical -> logical mapping: most important first, sink and last chunk in place."""
-        c, n = self.config.chunk_size, len(importance)
-        lo, hi = 0, n
+    def _movable_range(self, node: RadixNode, n: int) -> tuple[int, int]:
+        """Tokens [lo, hi) a reorder may move: all, or all but the sink chunk (of a node that
+        starts the prefix) and the last chunk."""
+        c, lo, hi = self.config.chunk_size, 0, n
         if self.config.reorder_keep_ends:
             if node.start == 0:
                 lo = c
             if n - c >= lo:
                 hi = n - c
+        return lo, hi
+
+    def _importance_order(self, node: RadixNode, importance: np.ndarray) -> np.ndarray:
+        """Physical -> logical mapping: most important first, sink and last chunk in place."""
+        c, n = self.config.chunk_size, len(importance)
+        lo, hi = self._movable_range(node, n)
         ranked = np.argsort(-importance[lo:hi], kind="stable")
         if self.config.reorder_hot_fraction < 1:
             # The hot set fills whole chunks; cold tokens stay in positional order.
@@ -865,12 +856,7 @@ class PrefixStore:
         from policies.page_index import balanced_kmeans  # policies import the engine's modules
 
         c, n = self.config.chunk_size, k.shape[1]
-        lo, hi = 0, n
-        if self.config.reorder_keep_ends:
-            if node.start == 0:
-                lo = c
-            if n - c >= lo:
-                hi = n - c
+        lo, hi = self._movable_range(node, n)
         if hi - lo <= c:
             return np.arange(n, dtype=np.int64)
         feats = torch.nn.functional.normalize(k[:, lo:hi].float(), dim=-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode_pages import DecodeConfig, PagedDecodePolicyMixin, PageSelector, PositionalPages
+from .decode_pages import PagedDecodePolicyMixin, PageSelector, PositionalPages
 from .full import Full
 
 
@@ -15,14 +15,8 @@ class PlainPages(PageSelector):
 
     name = "positional"
 
-    def __init__(self, config: DecodeConfig):
-        self.config = config
-
     def build(self, keys, values, positions) -> PositionalPages:
         return PositionalPages(keys, values, positions, self.config.page_size)
-
-    def insert(self, struct: PositionalPages, keys, values, positions):
-        return struct.append(keys, values, positions)
 
     def select(self, struct: PositionalPages, q, n_pages, layer, step):
         kv, n = struct.pool.k.shape[0], struct.pool.n_pages

@@ -87,11 +87,16 @@ class PageSelector:
 
     name = "pages"
 
+    def __init__(self, config: DecodeConfig):
+        self.config = config
+
     def build(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         raise NotImplementedError
 
     def insert(self, struct, keys, values, positions) -> list[tuple[int, int]]:
-        raise NotImplementedError
+        """New tokens into the structure; returns the (KV head, page) pairs that changed.
+        Position-ordered pages append; an index overrides this."""
+        return struct.append(keys, values, positions)
 
     def select(self, struct, q: torch.Tensor, n_pages: int, layer: int, step: int) -> torch.Tensor:
         """q (H, d) -> (KV, n_pages) page ids, -1 padded."""

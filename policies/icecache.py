@@ -21,9 +21,6 @@ from .page_index import PageIndex
 class SemanticPages(PageSelector):
     name = "semantic"
 
-    def __init__(self, config: DecodeConfig):
-        self.config = config
-
     def build(self, keys, values, positions) -> PageIndex:
         return PageIndex(keys, values, positions, self.config.index)
 

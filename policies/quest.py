@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .decode_pages import DecodeConfig, PagedDecodePolicyMixin, PageSelector, PositionalPages
+from .decode_pages import PagedDecodePolicyMixin, PageSelector, PositionalPages
 from .full import Full
 from .page_index import top_ids
 
@@ -41,14 +41,8 @@ class BoundedPages(PositionalPages):
 class QuestPages(PageSelector):
     name = "quest"
 
-    def __init__(self, config: DecodeConfig):
-        self.config = config
-
     def build(self, keys, values, positions) -> BoundedPages:
         return BoundedPages(keys, values, positions, self.config.page_size)
-
-    def insert(self, struct: BoundedPages, keys, values, positions):
-        return struct.append(keys, values, positions)
 
     def select(self, struct: BoundedPages, q, n_pages, layer, step):
         kv, n = struct.lo.shape[0], struct.pool.n_pages

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Hugging Face checkpoints made on the spot, a private offload dir."""
+"""Shared fixtures: tiny Hugging Face checkpoints made on the spot, a private offload dir,
+tiny random-weight runtimes."""
 from __future__ import annotations
 
 import pytest
@@ -39,3 +40,15 @@ def offload_dir(tmp_path):
     d = tmp_path / "offload"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_runtimes(tmp_path_factory):
+    """opt-tiny and llama-tiny runtimes (seeded random weights), closed after the module."""
+    from impress_flexgen.runtime import Runtime, RuntimeConfig
+
+    off = tmp_path_factory.mktemp("off")
+    rts = {m: Runtime(RuntimeConfig(model=m, offload_dir=str(off))) for m in ("opt-tiny", "llama-tiny")}
+    yield rts
+    for rt in rts.values():
+        rt.close()

@@ -20,15 +20,6 @@ ALL_POLICIES = [p for p in POLICY_NAMES if p != "impress"] + ["impress:itf", "im
                                                                 "impress:all"]
 
 
-@pytest.fixture(scope="module")
-def tiny_runtimes(tmp_path_factory):
-    off = tmp_path_factory.mktemp("off")
-    rts = {m: Runtime(RuntimeConfig(model=m, offload_dir=str(off))) for m in ("opt-tiny", "llama-tiny")}
-    yield rts
-    for rt in rts.values():
-        rt.close()
-
-
 def _ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 

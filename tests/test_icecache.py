@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from impress_flexgen.engine import Engine, Request
-from impress_flexgen.runtime import Runtime, RuntimeConfig
 from policies import DecodeConfig, ServingConfig, make_policy
 from policies.decode_pages import PagedDecode, split_budget
 from policies.icecache import SemanticPages
@@ -98,15 +97,6 @@ def test_new_tokens_are_inserted_into_the_index():
     assert state.close().steps == 40
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    off = tmp_path_factory.mktemp("off")
-    rts = {m: Runtime(RuntimeConfig(model=m, offload_dir=str(off))) for m in ("opt-tiny", "llama-tiny")}
-    yield rts
-    for rt in rts.values():
-        rt.close()
-
-
 def _ids(seed, n):
     return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
@@ -119,8 +109,8 @@ def _serve(rt, name, prefix, query, new_tokens, budget=256, forced=None, **decod
 
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("policy", ["icecache", "icecache:reuse", "quest"])
-def test_budget_covering_the_context_equals_full_decoding(tiny, model, policy):
-    rt = tiny[model]
+def test_budget_covering_the_context_equals_full_decoding(tiny_runtimes, model, policy):
+    rt = tiny_runtimes[model]
     prefix, query = _ids(1, 150), _ids(2, 6)
     full = _serve(rt, "full", prefix, query, 12)
     paged = _serve(rt, policy, prefix, query, 12, budget=512)
@@ -130,8 +120,8 @@ def test_budget_covering_the_context_equals_full_decoding(tiny, model, policy):
     assert 0 < paged.stats.decode_bytes_per_step < full.stats.decode_bytes_per_step
 
 
-def test_small_budget_attends_less_and_moves_fewer_bytes(tiny):
-    rt = tiny["llama-tiny"]
+def test_small_budget_attends_less_and_moves_fewer_bytes(tiny_runtimes):
+    rt = tiny_runtimes["llama-tiny"]
     prefix, query = _ids(3, 300), _ids(4, 4)
     full = _serve(rt, "full", prefix, query, 24)
     ice = _serve(rt, "icecache", prefix, query, 24, budget=64)
@@ -143,8 +133,8 @@ def test_small_budget_attends_less_and_moves_fewer_bytes(tiny):
     assert pre.tokens[0] == full.tokens[0] and len(pre.tokens) == 24
 
 
-def test_teacher_forcing_with_greedy_tokens_equals_free_decoding(tiny):
-    rt = tiny["llama-tiny"]
+def test_teacher_forcing_with_greedy_tokens_equals_free_decoding(tiny_runtimes):
+    rt = tiny_runtimes["llama-tiny"]
     prefix, query = _ids(5, 80), _ids(6, 5)
     for name in ("full", "icecache"):
         free = _serve(rt, name, prefix, query, 8, budget=64)

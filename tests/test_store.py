@@ -403,3 +403,13 @@ def test_selection_on_the_head_of_a_node_is_recorded(tmp_path):
         imp = store.stats[(node.id, 0)].importance
         assert imp[:2 * C].sum() == 2 * C and imp[2 * C:].sum() == 0
         assert list(store.stats[(node.id, 0)].ratio) == [255, 255, 0, 0]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reading_no_chunks_reads_nothing(tmp_path, packed):
+    with PrefixStore(tmp_path / "s", SHAPE, config(packed=packed)) as store:
+        (node,) = store.insert(np.arange(2 * C), 0, make_kv(2 * C, seed=8))
+        entry = store.entry(node, 0)
+        assert store.read_chunks(entry, "k", [], node) == []
+        chunks, served = store.load_chunks(entry, "v", [], node)
+        assert chunks == [] and served["disk"] == 0
