@@ -10,16 +10,20 @@ absent: on a CUDA machine FlexGen runs as published.
 Independently of CUDA, FlexGen's TorchDisk starts non-daemon copy threads and keeps a
 global reference to itself, so a process that forgets close_copy_threads() hangs at
 interpreter exit. `register_disk()` closes them from a hook that runs before Python joins
-non-daemon threads.
+non-daemon threads. And its copy threads open .npy files with numpy's header reader, which
+parses the header with `ast`; CPython 3.11's parser is not thread-safe ("AST constructor
+recursion depth mismatch"), so `apply()` swaps in a reader that needs no parser.
 """
 from __future__ import annotations
 
 import contextlib
 import queue as queue_mod
+import re
 import threading
 import types
 import weakref
 
+import numpy as np
 import torch
 
 _applied = False
@@ -128,9 +132,65 @@ def _synchronize_disk(original):
     return synchronize
 
 
+_NPY_HEADER = re.compile(
+    r"'descr':\s*'(?P<descr>[^']+)',\s*'fortran_order':\s*(?P<fortran>True|False),"
+    r"\s*'shape':\s*\((?P<shape>[0-9,\s]*)\)")
+
+
+def open_npy(path: str) -> np.memmap:
+    """np.lib.format.open_memmap(path) for the files FlexGen writes, without `ast`.
+
+    Safe to call from many threads at once (numpy's own reader is not on CPython 3.11).
+    """
+    with open(path, "rb") as f:
+        magic = f.read(8)
+        if magic[:6] != b"\x93NUMPY":
+            raise ValueError(f"{path}: not a .npy file")
+        size_bytes = 2 if magic[6] == 1 else 4
+        header_len = int.from_bytes(f.read(size_bytes), "little")
+        header = f.read(header_len).decode("latin1")
+    m = _NPY_HEADER.search(header)
+    if m is None or m["fortran"] == "True":
+        raise ValueError(f"{path}: unsupported .npy header {header.strip()!r}")
+    shape = tuple(int(x) for x in m["shape"].replace(" ", "").split(",") if x)
+    return np.memmap(path, dtype=np.dtype(m["descr"]), mode="r+",
+                     offset=8 + size_bytes + header_len, shape=shape, order="C")
+
+
+def _map_to_torch_tensor(original):
+    from flexgen.pytorch_backend import DeviceType
+
+    def map_to_torch_tensor(tensor, indices):
+        if tensor.device.device_type != DeviceType.DISK:
+            return original(tensor, indices)
+        data = torch.from_numpy(open_npy(tensor.data))
+        if torch.is_tensor(indices):
+            from flexgen.pytorch_backend import vector_gather
+            return vector_gather(data, indices)
+        return data[indices] if indices else data
+
+    return map_to_torch_tensor
+
+
+_thread_safe_npy = False
+
+
+def _make_npy_reads_thread_safe() -> None:
+    global _thread_safe_npy
+    if _thread_safe_npy:
+        return
+    from flexgen import pytorch_backend as pb
+
+    pb.map_to_torch_tensor = _map_to_torch_tensor(pb.map_to_torch_tensor)
+    _thread_safe_npy = True
+
+
 def apply() -> bool:
-    """Patch FlexGen for CPU-only torch. Returns True when patches were applied."""
+    """Patch FlexGen for CPU-only torch. Returns True when patches were applied.
+
+    The thread-safe .npy reader is installed on every machine."""
     global _applied
+    _make_npy_reads_thread_safe()
     if _applied:
         return True
     if cuda_available():
