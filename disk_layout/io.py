@@ -201,7 +201,7 @@ class BufferPool:
     beyond that (or without the use count) a read gets fresh memory.
     """
 
-    MIN_POOLED = 64 << 10
+    MIN_POOLED = 4 << 10
     SCAN = 16   # buffers looked at before taking fresh memory
 
     def __init__(self, max_bytes: int = 256 << 20):

@@ -5,7 +5,9 @@
 smollm2-135m reads a natural-text prefix cut from one of the offline books and is then forced
 through the book's true continuation for many decode steps (Request.forced), once per policy:
 full KV, icecache at 64/128/256 tokens (and its layer-reuse variant), quest, the window-only
-and random-page baselines at the same budgets. Every policy sees the same tokens, so the step
+and random-page baselines at the same budgets, and the exact-attention page oracle (the best any
+page retriever can do at the budget; at the largest budget also over icecache's semantic pages
+and over single tokens). Every policy sees the same tokens, so the step
 logits compare position by position: mean KL(full || policy), top-1 agreement with full,
 perplexity of the forced continuation, time per output token, K+V bytes moved to the compute
 device per decode step (vs what full decoding attends), index build vs prefill time. Then, per
@@ -15,6 +17,7 @@ policies act only at decode), computed without a prefix store.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -27,6 +30,7 @@ from impress_flexgen.corpus import load_text
 from impress_flexgen.engine import Engine, Request
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from policies import DecodeConfig, ServingConfig, make_policy
+from policies.page_index import IndexConfig
 
 
 def parse_args(argv):
@@ -40,6 +44,10 @@ def parse_args(argv):
     p.add_argument("--recall-k", type=int, default=32)
     p.add_argument("--recall-steps", type=int, default=32)
     p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--only", default="",
+                   help="comma-separated run labels or policy names to run (full always runs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DecodeConfig or IndexConfig field (repeatable)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: small per-layer ops do not fight over cores)")
     p.add_argument("--quick", action="store_true",
@@ -49,9 +57,31 @@ def parse_args(argv):
     if args.quick:
         args.prefix_tokens, args.steps, args.budgets, args.recall_steps = 1024, 32, "64,256", 16
     args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.only = [x for x in args.only.split(",") if x]
+    try:
+        args.decode = decode_config(args.dense_layers, args.set)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
     if min(args.prefix_tokens, args.steps) < 1 or min(args.budgets) < 32:
         p.error("--prefix-tokens and --steps must be positive, budgets at least 32")
     return args
+
+
+def decode_config(dense_layers: int, overrides: list[str], **extra) -> DecodeConfig:
+    """DecodeConfig with KEY=VALUE overrides of its own or its IndexConfig's fields."""
+    dec, idx = {"dense_layers": dense_layers, **extra}, {}
+    dec_fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
+    idx_fields = {f.name: f for f in dataclasses.fields(IndexConfig)}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        field = dec_fields.get(key) or idx_fields.get(key)
+        if field is None or key == "index" or not value:
+            raise ValueError(f"--set {item}: not a DecodeConfig or IndexConfig field")
+        cast = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true")}
+        (dec if key in dec_fields else idx)[key] = cast.get(field.type, str)(value)
+    if "page_size" in dec:
+        idx.setdefault("page_size", dec["page_size"])
+    return DecodeConfig(**dec, index=IndexConfig(**idx))
 
 
 def runs(args) -> list[tuple[str, str, int]]:
@@ -64,6 +94,12 @@ def runs(args) -> list[tuple[str, str, int]]:
     for name in ("quest", "page_window", "page_random"):
         for b in (args.budgets if not args.quick else [top]):
             out.append((f"{name}@{b}", name, b))
+    for b in args.budgets:
+        out.append((f"page_oracle@{b}", "page_oracle", b))
+    for name in ("page_oracle:semantic", "page_oracle:token"):
+        out.append((f"{name}@{top}", name, top))
+    if args.only:
+        out = [r for r in out if r[0] == "full" or r[0] in args.only or r[1] in args.only]
     return out
 
 
@@ -88,7 +124,7 @@ def main(argv=None) -> int:
         prefix, query = ids[:args.prefix_tokens], ids[args.prefix_tokens:args.prefix_tokens + 1]
         forced = ids[args.prefix_tokens + 1:args.prefix_tokens + 1 + args.steps]
         targets = torch.tensor(ids[args.prefix_tokens + 1:args.prefix_tokens + 2 + args.steps])
-        decode = DecodeConfig(dense_layers=args.dense_layers)
+        decode = args.decode
         serve(rt, "full", 256, decode, prefix[:64], query, forced[:2])   # warm-up
         rows, ref = [], None
         for label, name, budget in runs(args):
@@ -103,7 +139,8 @@ def main(argv=None) -> int:
             s = resp.stats
             rows.append({
                 "policy": label, "budget": budget if name != "full" else None,
-                "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                "kl_mean": float(kl.mean()), "kl_median": float(kl.median()),
+                "kl_max": float(kl.max()), "kl_steps": [round(float(x), 5) for x in kl],
                 "top1_agree": float((logp.argmax(-1) == ref.argmax(-1))[1:].float().mean()),
                 "ppl": float(math.exp(nll.mean())),
                 "tpot_ms": s.decode_s_per_token * 1e3,
@@ -115,22 +152,28 @@ def main(argv=None) -> int:
         for r in rows:
             r["bytes_vs_full"] = r["bytes_per_step"] / full_bytes
         recall = []
+        recall_runs = {name for _, name, _ in runs(args)}
         for b in args.budgets:
-            for name in ("icecache", "quest", "page_random"):
-                dec = DecodeConfig(dense_layers=args.dense_layers, recall_k=args.recall_k)
+            for name in ("icecache", "quest", "page_random", "page_oracle"):
+                if args.only and name not in recall_runs:
+                    continue
+                dec = decode_config(args.dense_layers, args.set, recall_k=args.recall_k)
                 resp = serve(rt, name, b, dec, prefix, query, forced[:args.recall_steps])
                 recall.append({"policy": name, "budget": b, "k": args.recall_k,
                                "recall": resp.stats.index_recall})
     print(f"{args.model}, {args.text}: prefix {args.prefix_tokens} tokens, {args.steps} "
-          f"teacher-forced decode steps, dense layers {args.dense_layers}")
-    head = (f"{'policy':<22}{'KL mean':>9}{'KL max':>8}{'top1':>7}{'ppl':>8}{'TPOT ms':>9}"
-            f"{'sel ms':>8}{'KiB/step':>10}{'vs full':>8}{'build s':>9}{'prefill s':>10}")
+          f"teacher-forced decode steps, dense layers {args.dense_layers}"
+          + (f", {' '.join(args.set)}" if args.set else ""))
+    head = (f"{'policy':<26}{'KL mean':>9}{'KL med':>8}{'KL max':>8}{'top1':>7}{'ppl':>8}"
+            f"{'TPOT ms':>9}{'sel ms':>8}{'KiB/step':>10}{'vs full':>8}{'build s':>9}"
+            f"{'prefill s':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['policy']:<22}{r['kl_mean']:>9.4f}{r['kl_max']:>8.3f}{r['top1_agree']:>7.3f}"
-              f"{r['ppl']:>8.2f}{r['tpot_ms']:>9.1f}{r['select_ms_per_step']:>8.1f}"
-              f"{r['bytes_per_step'] / 1024:>10.1f}{r['bytes_vs_full']:>8.3f}"
+        print(f"{r['policy']:<26}{r['kl_mean']:>9.4f}{r['kl_median']:>8.4f}{r['kl_max']:>8.3f}"
+              f"{r['top1_agree']:>7.3f}{r['ppl']:>8.2f}{r['tpot_ms']:>9.1f}"
+              f"{r['select_ms_per_step']:>8.1f}{r['bytes_per_step'] / 1024:>10.1f}"
+              f"{r['bytes_vs_full']:>8.3f}"
               f"{r['index_build_s']:>9.2f}{r['prefill_s']:>10.2f}")
     print(f"\nindex recall of the true top-{args.recall_k} keys per query head "
           f"({args.recall_steps} steps, all sparse layers):")
@@ -140,7 +183,8 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t_start:.0f} s")
     write_json(args.json, {"model": args.model, "text": args.text,
                            "prefix_tokens": args.prefix_tokens, "steps": args.steps,
-                           "dense_layers": args.dense_layers, "results": rows,
+                           "dense_layers": args.dense_layers, "overrides": args.set,
+                           "results": rows,
                            "recall": recall})
     return 0
 

@@ -66,6 +66,9 @@ def hugging_face_rows(spec, prefix, queries, workdir: Path) -> tuple[list[dict],
 
     model = load_reference(spec)
     arg = _cache_arg(model)
+    # Only the last position's logits make the first token (what generate() asks for too).
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in \
+        inspect.signature(model.forward).parameters else {}
     n = len(prefix)
     times = {"hf-recompute": [], "hf-memory": [], "hf-disk": []}
     logits = {}
@@ -73,7 +76,7 @@ def hugging_face_rows(spec, prefix, queries, workdir: Path) -> tuple[list[dict],
     def forward(ids, cache=None):
         x = torch.tensor([ids])
         kw = {arg: cache} if cache is not None else {}
-        return model(input_ids=x, use_cache=True, **kw)
+        return model(input_ids=x, use_cache=True, **kw, **last_only)
 
     base = forward(prefix)
     cache = getattr(base, "cache", None) or base.past_key_values

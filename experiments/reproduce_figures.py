@@ -69,7 +69,14 @@ def ablation(res: dict, path: Path) -> None:
     a.set_title("Ablation (Fig. 18)")
     a.legend(fontsize=8)
     ro = res["reorder"]
-    b.bar(["without reorder", "with reorder"], [ro["without"], ro["with"]], color=["C1", "C2"])
+    modes = ["chunk selection", "token selection (paper)"]
+    without = [ro["without"], ro.get("token_without", 0)]
+    with_ro = [ro["with"], ro.get("token_with", 0)]
+    x = range(len(modes))
+    b.bar([i - 0.2 for i in x], without, width=0.4, color="C1", label="without reorder")
+    b.bar([i + 0.2 for i in x], with_ro, width=0.4, color="C2", label="with reorder")
+    b.set_xticks(list(x), modes)
+    b.legend(fontsize=8)
     b.set_ylabel("chunks loaded (K and V, all tiers)")
     b.set_title("Chunks loaded (Fig. 20)")
     hits = res["gpu_hit_ratio"]

@@ -8,11 +8,14 @@ For each request:
   2. embed    the new tokens (the rest of the prefix, then the query) at positions |R|...;
   3. per layer, with that layer's weights placed by FlexGen's policy:
        project  the new tokens' q, k, v;
-       plan     the policy reads probe keys and decides which chunks to load (ITF);
-       load     those K and V chunks: GPU tier, CPU tier, then disk (CRC-checked);
+       plan     the policy reads probe keys and decides which chunks to load (ITF); the
+                probe keys were read in the background while the layer before computed;
+       load     those K and V chunks, in one round trip: GPU tier, CPU tier, then disk
+                (CRC-checked);
        attend   the new tokens over the kept prefix tokens plus themselves (causal);
        MLP;
-  4. logits   of the last position: the first token (time to first token ends here);
+  4. logits   of the last position: the first token (time to first token ends here;
+              logits of the other query positions, when asked for, come after);
   5. store    the newly computed prefix KV (whole chunks) in the radix tree;
   6. decode   over the kept prefix tokens plus the generated ones (or the full prefix).
 """
@@ -248,11 +251,16 @@ class Engine:
             stats.prefix_bytes = matched * self.kv_bytes_per_token_layer * self.math.n_layers
 
             # 2-4. prefill
-            kept, new_kv, logits = self._prefill(new_ids, matched, segments_nodes, stats,
-                                                 n_logits=len(req.query) if want_query_logits
-                                                 else 1)
+            kept, new_kv, tail, out_w = self._prefill(
+                new_ids, matched, segments_nodes, stats,
+                n_hidden=len(req.query) if want_query_logits else 1)
+            t0 = time.perf_counter()
+            logits = self.math.logits(out_w, tail[-1:]).cpu()
+            stats.compute_s += time.perf_counter() - t0
             first = int(logits[-1].argmax())
             stats.ttft_s = time.perf_counter() - t_start
+            if want_query_logits and len(tail) > 1:   # for checks, after the first token
+                logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
 
             # 5. store the new prefix KV
             if use_store and self.policy.store_new:
@@ -301,86 +309,68 @@ class Engine:
                 self.store.release(match)
 
     # -- prefill ----------------------------------------------------------------------------
-    def _prefill(self, new_ids, matched, segments_nodes, stats, n_logits):
+    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden):
         """Run all layers over the new tokens; returns per-layer decode context, per-layer
-        new (K, V), and the logits of the last `n_logits` positions."""
+        new (K, V), the final hidden states of the last `n_hidden` positions and the
+        output weights that turn them into logits."""
         layers = self.model.layers
         total = matched + len(new_ids)
         positions = torch.arange(matched, total, device=self.device)[None]
-        hidden = self._embed(new_ids, total, stats)
+        ahead = _ReadAhead(self, segments_nodes, stats)
+        ahead.start(0)
         kept, new_kv = [], []
-        for layer in range(self.math.n_layers):
-            weights = self._weights(1 + 2 * layer, stats)
-            t0 = time.perf_counter()
-            x = hidden.val.data
-            q, k_new, v_new = self.math.qkv(weights, x, positions)
-            stats.compute_s += time.perf_counter() - t0
-
-            prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
-                                                              stats)
-            t0 = time.perf_counter()
-            keys = torch.cat([prefix_k, k_new[0]], dim=1)
-            values = torch.cat([prefix_v, v_new[0]], dim=1)
-            s = k_new.shape[2]
-            new_mask = (positions[0] >= self._n_pad)[None].expand(self.math.n_kv_head, s)
-            mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-            attn = self._attend(q, keys, values, mask, causal_tail=s)
-            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                       self.compute)
-            kept.append([keys, values, mask])
-            new_kv.append((k_new[0], v_new[0]))
-            stats.compute_s += time.perf_counter() - t0
-            self._mlp(2 + 2 * layer, hidden, stats)
+        try:
+            hidden = self._embed(new_ids, total, stats)
+            for layer in range(self.math.n_layers):
+                # The next layer's probe keys (or, for a policy that loads everything, its
+                # K and V) are read while this layer computes.
+                ahead.start(layer + 1)
+                kept_kv, kv = self._layer(layer, hidden, positions, segments_nodes, ahead,
+                                          stats)
+                kept.append(kept_kv)
+                new_kv.append(kv)
+        finally:
+            ahead.close()
         out_w = self._weights(len(layers) - 1, stats)
-        t0 = time.perf_counter()
-        logits = self.math.logits(out_w, hidden.val.data[0, -n_logits:])
-        stats.compute_s += time.perf_counter() - t0
         stats.layers = self.math.n_layers
-        return kept, new_kv, logits.cpu()
+        return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
 
-    def _prefix_kv(self, layer, segments_nodes, q, k_new, stats):
+    def _layer(self, layer, hidden, positions, segments_nodes, ahead, stats):
+        """One transformer layer over the new tokens: project, plan, load, attend, MLP.
+        Returns this layer's decode context [K, V, mask] and the new tokens' (K, V)."""
+        weights = self._weights(1 + 2 * layer, stats)
+        t0 = time.perf_counter()
+        x = hidden.val.data
+        q, k_new, v_new = self.math.qkv(weights, x, positions)
+        stats.compute_s += time.perf_counter() - t0
+
+        prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
+                                                          ahead, stats)
+        t0 = time.perf_counter()
+        keys = torch.cat([prefix_k, k_new[0]], dim=1)
+        values = torch.cat([prefix_v, v_new[0]], dim=1)
+        s = k_new.shape[2]
+        new_mask = (positions[0] >= self._n_pad)[None].expand(self.math.n_kv_head, s)
+        mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
+        attn = self._attend(q, keys, values, mask, causal_tail=s)
+        hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                   self.compute)
+        stats.compute_s += time.perf_counter() - t0
+        self._mlp(2 + 2 * layer, hidden, stats)
+        return [keys, values, mask], (k_new[0], v_new[0])
+
+    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats):
         """The policy's choice of this layer's stored prefix KV, loaded: (KV, m, d) K and V
         and a (KV, m) mask of which tokens each KV head attends."""
         kv, d = self.math.n_kv_head, self.math.head_dim
         empty = torch.zeros(kv, 0, d, dtype=self.dtype, device=self.device)
         if not segments_nodes:
             return empty, empty, torch.zeros(kv, 0, dtype=torch.bool, device=self.device)
-        store = self.store
-        segments = [Segment(node, used, store.entry(node, layer)) for node, used in segments_nodes]
-        loaded: dict[tuple[str, int, int], torch.Tensor] = {}
-
-        def read_probe() -> torch.Tensor:
-            t0 = time.perf_counter()
-            parts = []
-            for seg in segments:
-                probe = store.read_probe(seg.entry, seg.node)
-                if seg.entry.mapping is not None:
-                    probe = probe[:, torch.from_numpy(np.argsort(seg.entry.mapping))]
-                parts.append(probe[:, : seg.used])
-                stats.probe_bytes += seg.entry.layout.probe_stride
-            stats.probe_s += time.perf_counter() - t0
-            return torch.cat(parts, dim=1)
-
-        def load(kind: str, si: int, ids) -> list[torch.Tensor]:
-            ids = np.asarray(ids, dtype=np.int64)
-            seg = segments[si]
-            missing = [int(i) for i in ids if (kind, si, int(i)) not in loaded]
-            if missing:
-                stats.chunks_loaded += len(missing)
-                t0 = time.perf_counter()
-                ratios = store.chunk_ratios(seg.entry, missing)
-                chunks, served = store.load_chunks(seg.entry, kind, missing, seg.node, ratios)
-                for i, t in zip(missing, chunks):
-                    loaded[(kind, si, i)] = t
-                for tier in ("gpu", "cpu", "disk"):
-                    stats.bytes_read[tier] += served[tier]
-                stats.chunks_read += served["disk_chunks"]
-                stats.load_s += time.perf_counter() - t0
-            return [loaded[(kind, si, int(i))] for i in ids]
-
+        loader = ahead.loader(layer)
+        segments = loader.segments
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
-                           self.config, self.probe_heads, self.probe_kv_heads, read_probe, load,
-                           n_pad=self._n_pad)
+                           self.config, self.probe_heads, self.probe_kv_heads,
+                           loader.read_probe, loader.load, n_pad=self._n_pad)
         t0 = time.perf_counter()
         io_before = stats.probe_s + stats.load_s
         plan = self.policy.plan_layer(ctx)
@@ -388,19 +378,28 @@ class Engine:
         stats.layers_fallback += int(plan.fallback)
         if plan.jaccard is not None:
             stats.jaccard.append(plan.jaccard)
-        return self._gather(plan, segments, load, stats)
+        return self._gather(plan, segments, loader, ahead, stats)
 
-    def _gather(self, plan: LayerPlan, segments, load, stats):
+    def _gather(self, plan: LayerPlan, segments, loader: "_LayerLoader", ahead, stats):
+        chosen = [np.intersect1d(plan.chunks_k[si], plan.chunks_v[si])
+                  for si in range(len(segments))]
+        # Every segment's K and V reads go out together; while they are in flight the next
+        # layer's probe keys (read since this layer began) are decoded.
+        pending = loader.start_all([(si, {"k": ids, "v": ids})
+                                    for si, ids in enumerate(chosen) if len(ids)])
+        t0 = time.perf_counter()
+        ahead.decode_probe(loader.layer + 1)
+        stats.probe_s += time.perf_counter() - t0
+        loaded = loader.finish_all(pending)
         ks, vs, masks = [], [], []
         attended = 0
         for si, seg in enumerate(segments):
-            ids = np.intersect1d(plan.chunks_k[si], plan.chunks_v[si])
+            ids = chosen[si]
             if len(ids) == 0:
                 continue
             rows, logical = tokens_of_chunks(seg, ids)
-            # Ratios for the tiers come from this selection, before the chunks are read.
-            k = torch.cat(load("k", si, ids), dim=1)
-            v = torch.cat(load("v", si, ids), dim=1)
+            k = torch.cat(loaded[si]["k"], dim=1)
+            v = torch.cat(loaded[si]["v"], dim=1)
             rows_t = torch.from_numpy(rows).to(k.device)
             ks.append(k[:, rows_t].to(self.device, self.dtype))
             vs.append(v[:, rows_t].to(self.device, self.dtype))
@@ -472,14 +471,19 @@ class Engine:
         """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
         head may see; the last `causal_tail` keys are the new tokens themselves (causal)."""
         s, m = q.shape[2], keys.shape[1]
-        allowed = mask[:, None, :].expand(-1, s, -1).clone()          # (KV, s, m)
+        group = self.math.n_head // self.math.n_kv_head
+        # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
+        # serves all heads, instead of a copy per head.
+        shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
+        rows = mask[:1] if shared else mask
+        allowed = rows[:, None, :].expand(-1, s, -1).clone()          # (KV or 1, s, m)
         tail = torch.ones(s, causal_tail, dtype=torch.bool, device=self.device).tril(
             diagonal=causal_tail - s)
         allowed[:, :, m - causal_tail:] &= tail
         # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
         allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, self.device)
-        group = self.math.n_head // self.math.n_kv_head
-        allowed = allowed.repeat_interleave(group, dim=0)[None]       # (1, H, s, m)
+        allowed = allowed[None] if shared else \
+            allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
         work = torch.float32 if self.device.type == "cpu" else q.dtype
         out = F.scaled_dot_product_attention(
             q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
@@ -517,6 +521,215 @@ class Engine:
         t0 = time.perf_counter()
         self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
         stats.compute_s += time.perf_counter() - t0
+
+
+class _LayerLoader:
+    """One layer's services to its policy: the probe keys and chunk loads through the tiers
+    and the disk, each chunk loaded once however often it is asked for, with the counters
+    of the request's stats."""
+
+    def __init__(self, store: PrefixStore, layer: int, segments, ahead: "_ReadAhead",
+                 stats: RequestStats):
+        self.store, self.layer, self.segments = store, layer, segments
+        self.ahead, self.stats = ahead, stats
+        self.loaded: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.early: tuple[list, list] | None = None   # (wanted, handles) started ahead
+
+    def start_early(self, wanted: list[tuple[int, dict]]) -> None:
+        """start_all() before the policy has planned (it is known to load `wanted`)."""
+        self.early = (_as_key(wanted), self.start_all(wanted))
+
+    def read_probe(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        probe = self.ahead.result(self.layer)
+        self.stats.probe_bytes += sum(seg.entry.layout.probe_stride for seg in self.segments)
+        self.stats.probe_s += time.perf_counter() - t0
+        return probe
+
+    def load(self, kind: str, si: int, ids) -> list[torch.Tensor]:
+        return self.finish_all(self.start_all([(si, {kind: ids})]))[si][kind]
+
+    def start_all(self, wanted: list[tuple[int, dict]]) -> list:
+        """Submit [(segment, {kind: chunk ids})]: tier hits are served now, disk reads go
+        out; finish_all() collects them."""
+        if self.early is not None:
+            key, handles = self.early
+            self.early = None
+            if key == _as_key(wanted):
+                return handles
+            self._drain(handles)
+        t0 = time.perf_counter()
+        handles = []
+        try:
+            for si, kinds in wanted:
+                entry = self.segments[si].entry
+                missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
+                                  if (kind, si, int(i)) not in self.loaded]
+                           for kind, ids in kinds.items()}
+                missing = {kind: ids for kind, ids in missing.items() if ids}
+                reading = None
+                if missing:
+                    ratios = {kind: self.store.chunk_ratios(entry, ids)
+                              for kind, ids in missing.items()}
+                    reading = self.store.start_kv_chunks(entry, missing, self.segments[si].node,
+                                                         ratios)
+                handles.append((si, kinds, missing, reading))
+        except BaseException:
+            self._drain(handles)
+            raise
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+        return handles
+
+    def finish_all(self, handles) -> dict[int, dict[str, list[torch.Tensor]]]:
+        t0 = time.perf_counter()
+        out = {}
+        try:
+            for n, (si, kinds, missing, reading) in enumerate(handles):
+                if reading is not None:
+                    try:
+                        chunks, served = self.store.finish_kv_chunks(reading)
+                    except BaseException:
+                        self._drain(handles[n + 1:])
+                        raise
+                    for kind, ids in missing.items():
+                        for i, t in zip(ids, chunks[kind]):
+                            self.loaded[(kind, si, i)] = t
+                    for tier in ("gpu", "cpu", "disk"):
+                        self.stats.bytes_read[tier] += served[tier]
+                    self.stats.chunks_read += served["disk_chunks"]
+                    self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
+                out[si] = {kind: [self.loaded[(kind, si, int(i))] for i in ids]
+                           for kind, ids in kinds.items()}
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        if self.early is not None:
+            self._drain(self.early[1])
+            self.early = None
+
+    def _drain(self, handles) -> None:
+        """Wait for reads nobody will use (their buffers must not be written later)."""
+        for _, _, _, reading in handles:
+            if reading is not None:
+                try:
+                    self.store.finish_kv_chunks(reading)
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+
+
+def _as_key(wanted: list[tuple[int, dict]]) -> list:
+    return [(si, {kind: [int(i) for i in ids] for kind, ids in kinds.items()})
+            for si, kinds in wanted]
+
+
+class _ReadAhead:
+    """Starts a layer's reads one layer ahead, on the store's reader threads.
+
+    The probe keys of layer l+1 do not depend on layer l's result, so their read hides
+    behind layer l's compute; only the wait that is left shows as probe time. A policy
+    that loads every chunk (full, as_like) has its next layer's K and V read ahead the
+    same way. Decoding stays on the calling thread (a second thread doing tensor work
+    would fight the compute threads for the cores). A read that fails (CRC, missing file)
+    raises when its layer asks for it, as a direct read would.
+    """
+
+    def __init__(self, engine: "Engine", segments_nodes, stats: RequestStats):
+        self.store = engine.store
+        self.n_layers = engine.math.n_layers
+        self.segments_nodes = segments_nodes
+        self.stats = stats
+        stored = bool(segments_nodes) and engine.store is not None
+        self.on = stored and engine.policy.reads_probe
+        self.whole_layers = stored and engine.policy.loads_everything
+        self.pending: dict[int, list] = {}
+        self.ready: dict[int, torch.Tensor | BaseException] = {}
+        self.loaders: dict[int, _LayerLoader] = {}
+
+    def loader(self, layer: int) -> "_LayerLoader":
+        """The loader of `layer` (with its reads ahead, if any)."""
+        got = self.loaders.pop(layer, None)
+        if got is None:
+            segments = [Segment(node, used, self.store.entry(node, layer))
+                        for node, used in self.segments_nodes]
+            got = _LayerLoader(self.store, layer, segments, self, self.stats)
+        return got
+
+    def start(self, layer: int) -> None:
+        if layer >= self.n_layers:
+            return
+        if self.whole_layers and layer not in self.loaders:
+            loader = self.loaders[layer] = self.loader(layer)
+            loader.start_early([(si, {"k": seg.all_chunks(), "v": seg.all_chunks()})
+                                for si, seg in enumerate(loader.segments)])
+        if not self.on or layer in self.pending:
+            return
+        reads = []
+        try:
+            for node, _ in self.segments_nodes:
+                reads.append(self.store.start_probe(self.store.entry(node, layer), node))
+        finally:
+            self.pending[layer] = reads
+
+    def decode_probe(self, layer: int) -> None:
+        """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
+        result() hands it over, or raises what reading it raised."""
+        if layer not in self.pending:
+            return
+        try:
+            self.ready[layer] = self._finish(layer)
+        except Exception as exc:  # noqa: BLE001 - raised by result(), if it is asked for
+            self.ready[layer] = exc
+
+    def result(self, layer: int) -> torch.Tensor:
+        """(n_probe_kv, n, d) float32 probe keys of `layer`, logical token order."""
+        if not self.on:
+            raise RuntimeError("the policy reads no probe")
+        if layer in self.ready:
+            got = self.ready.pop(layer)
+            if isinstance(got, BaseException):
+                raise got
+            return got
+        return self._finish(layer)
+
+    def _finish(self, layer: int) -> torch.Tensor:
+        self.start(layer)
+        reads = self.pending.pop(layer)
+        if len(reads) < len(self.segments_nodes):   # start() failed part-way: read again
+            self._drain(reads)
+            reads = [self.store.start_probe(self.store.entry(n, layer), n)
+                     for n, _ in self.segments_nodes]
+        parts = []
+        try:
+            for (node, used), pending in zip(self.segments_nodes, reads):
+                entry = pending[0]
+                probe = self.store.finish_probe(pending)
+                if entry.mapping is not None:       # physical -> logical token order
+                    probe = probe[:, torch.from_numpy(entry.physical_of)]
+                parts.append(probe[:, :used])
+        except BaseException:
+            self._drain(reads[len(parts) + 1:])
+            raise
+        return torch.cat(parts, dim=1)
+
+    def _drain(self, reads) -> None:
+        for pending in reads:
+            try:
+                self.store.finish_probe(pending)
+            except Exception:  # noqa: BLE001 - nobody asked for this read
+                pass
+
+    def close(self) -> None:
+        """Wait for reads still in flight: a failed request may quarantine their files next."""
+        for reads in self.pending.values():
+            self._drain(reads)
+        for loader in self.loaders.values():
+            loader.close()
+        self.pending.clear()
+        self.ready.clear()
+        self.loaders.clear()
 
 
 def _diagonal(s: int, tail: int, device) -> torch.Tensor:

@@ -44,6 +44,9 @@ def parse_args(argv):
     g.add_argument("--probe-heads", default="auto",
                    help="auto (all heads on grouped-query models, 0,1,2 otherwise), all, group "
                         "(one per KV group), first:K, random:K, fraction:F, or ids like 0,3,6")
+    g.add_argument("--probe-queries", type=int, default=0, metavar="N",
+                   help="probe with the last N new tokens' queries (default 0: all; fewer "
+                        "costs less and loses accuracy, see the README)")
     g.add_argument("--threshold-value", type=float, default=0.85, help="for --threshold fixed")
     g.add_argument("--adaptive-alpha", type=float, default=0.6, help="t = j^alpha (adaptive)")
     g.add_argument("--chunk-size", type=int, default=16, help="tokens per chunk, 16-256 (16)")
@@ -102,6 +105,8 @@ def parse_args(argv):
         p.error("--reorder-hot-fraction must be in (0, 1]")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
+    if args.probe_queries < 0:
+        p.error("--probe-queries must be 0 (all) or positive")
     for name in ("prefixes", "prefix_tokens", "queries", "query_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -168,7 +173,7 @@ def serve(rt, args) -> int:
                             args.threshold_value, args.adaptive_alpha, args.probe_heads,
                             args.probe_format, args.chunk_size,
                             reorder_hot_fraction=args.reorder_hot_fraction,
-                            reorder_by=args.reorder_by)
+                            reorder_by=args.reorder_by, probe_queries=args.probe_queries)
             store_dir = root / _store_name(name, args)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")

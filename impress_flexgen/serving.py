@@ -39,6 +39,7 @@ class RunConfig:
     reorder_hot_fraction: float = 0.25   # see StoreConfig
     reorder_by: str = "importance"       # or "semantic" (StoreConfig)
     tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
+    probe_queries: int = 0               # see ServingConfig
 
     def store_options(self) -> dict:
         """The knobs of this row that shape its store (open_store keyword arguments)."""
@@ -50,7 +51,7 @@ class RunConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
                              threshold=self.threshold, threshold_value=self.threshold_value,
                              adaptive_alpha=self.adaptive_alpha, probe_heads=self.probe_heads,
-                             decode_over=self.decode_over)
+                             probe_queries=self.probe_queries, decode_over=self.decode_over)
 
 
 def kv_bytes_per_token(runtime: Runtime) -> int:

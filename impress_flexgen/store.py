@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import math
 import os
@@ -118,6 +119,12 @@ class LayerEntry:
     def crc(self, kind: str, index: int) -> int:
         return int(self.crcs[1 + index + (0 if kind == "k" else self.layout.n_chunks)])
 
+    @functools.cached_property
+    def physical_of(self) -> np.ndarray | None:
+        """logical position -> physical position (mapping's inverse); None: identity.
+        Kept: every request over this version needs it on every layer."""
+        return None if self.mapping is None else np.argsort(self.mapping)
+
     def logical_positions(self, chunk_ids) -> np.ndarray:
         """Logical token positions held by the given physical chunks, chunk after chunk."""
         c = self.layout.chunk_size
@@ -126,7 +133,7 @@ class LayerEntry:
 
     def physical_chunks_of(self, logical: np.ndarray) -> np.ndarray:
         """Sorted physical chunk ids holding the given logical positions."""
-        phys = logical if self.mapping is None else np.argsort(self.mapping)[logical]
+        phys = logical if self.mapping is None else self.physical_of[logical]
         return np.unique(phys // self.layout.chunk_size)
 
 
@@ -316,24 +323,6 @@ class PrefixStore:
         return self.stats[(entry.node_id, entry.layer)]
 
     # -- reading ------------------------------------------------------------------------
-    def _read(self, node_or_id, entry: LayerEntry, extents, checks=None, describe=None,
-              runs: bool = False):
-        """Read extents of `entry`'s file: one memoryview each, or (runs=True) the reader's
-        Run buffers. checks: per extent (payload_len, crc32), verified by the reader threads
-        as the reads complete; a mismatch (described by describe(extent index)), a short
-        file or a missing one raises CorruptNode."""
-        from disk_layout.io import ChecksumMismatch
-
-        try:
-            if runs:
-                return self.reader.read_runs(entry.path, extents, checks)
-            return self.reader.read(entry.path, extents, checks)
-        except ChecksumMismatch as exc:
-            detail = describe(exc.index) if describe else f"{entry.path}: {exc}"
-            raise CorruptNode(self._node(node_or_id, entry), detail) from None
-        except (ShortRead, FileNotFoundError) as exc:
-            raise CorruptNode(self._node(node_or_id, entry), f"{entry.path}: {exc}") from None
-
     def _node(self, node, entry: LayerEntry) -> RadixNode:
         if isinstance(node, RadixNode):
             return node
@@ -342,11 +331,33 @@ class PrefixStore:
 
     def read_probe(self, entry: LayerEntry, node=None) -> torch.Tensor:
         """The probe heads' keys for every token of the node, float32, physical order."""
+        return self.finish_probe(self.start_probe(entry, node))
+
+    def start_probe(self, entry: LayerEntry, node=None):
+        """Start reading the probe section (on the reader threads); finish_probe() waits,
+        checks and decodes it. Lets a caller read the next layer's probe while it computes."""
         lay = entry.layout
-        (buf,) = self._read(node, entry, [(0, lay.probe_stride)],
-                            checks=[(lay.probe_bytes, int(entry.crcs[0]))],
-                            describe=lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
+        try:
+            handle = self.reader.submit(entry.path, [(0, lay.probe_stride)],
+                                        [(lay.probe_bytes, int(entry.crcs[0]))])
+        except FileNotFoundError as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+        return entry, node, handle
+
+    def finish_probe(self, pending) -> torch.Tensor:
+        from disk_layout.io import ChecksumMismatch
+
+        entry, node, handle = pending
+        lay = entry.layout
+        try:
+            (run,) = self.reader.wait(handle)
+        except ChecksumMismatch:
+            raise CorruptNode(self._node(node, entry),
+                              f"probe keys of layer {entry.layer}: CRC mismatch") from None
+        except (ShortRead, FileNotFoundError) as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
         self.metrics.probe_bytes_read += lay.probe_stride
+        buf = memoryview(run.data.numpy())
         return decode_probe(buf[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
 
@@ -361,60 +372,100 @@ class PrefixStore:
     def _read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None
                      ) -> tuple[list[torch.Tensor], int]:
         """read_chunks() and the bytes read from disk for them (padding included)."""
+        chunks, nbytes = self._read_chunk_sets(entry, {kind: chunk_ids}, node)
+        return chunks[kind], nbytes
+
+    def _read_chunk_sets(self, entry: LayerEntry, wanted: dict, node=None
+                         ) -> tuple[dict[str, list[torch.Tensor]], int]:
+        """Chunks of several kinds ({"k": ids, "v": ids}) of one layer file, all in flight
+        together (one round trip to the disk, not one per kind); bytes read, padding
+        included."""
+        return self._finish_chunk_sets(self._start_chunk_sets(entry, wanted, node))
+
+    def _start_chunk_sets(self, entry: LayerEntry, wanted: dict, node=None):
+        """Submit the reads of _read_chunk_sets(); _finish_chunk_sets() waits for them."""
         lay = entry.layout
-        ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
-        if len(ids) == 0:
-            return [], 0
-        if ids.min() < 0 or ids.max() >= lay.n_chunks:
-            raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
-        first_crc = 1 + (0 if kind == "k" else lay.n_chunks)
-        crcs = entry.crcs[first_crc + sorted_ids]
+        kinds, ids_of = [], {}
+        for kind, chunk_ids in wanted.items():
+            ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
+            if len(ids) and (ids.min() < 0 or ids.max() >= lay.n_chunks):
+                raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
+            ids_of[kind] = ids
+            kinds += [kind] * len(ids)
+        if not kinds:
+            return entry, node, ids_of, None
+        all_ids = np.concatenate([ids_of[k] for k in wanted])
+        step = lay.chunk_stride
+        offs = np.concatenate([lay.chunk_offset(k, 0) + ids_of[k] * step for k in wanted])
+        first_crc = {k: 1 + (0 if k == "k" else lay.n_chunks) for k in wanted}
+        crcs = np.concatenate([entry.crcs[first_crc[k] + ids_of[k]] for k in wanted])
+        order = np.argsort(offs, kind="stable")
+        plan = (self._plan_packed if lay.packed else self._plan_aligned)(
+            entry, offs[order], crcs[order])
+        extents, checks, _, _ = plan
+        try:
+            handle = self.reader.submit(entry.path, extents, checks)
+        except FileNotFoundError as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+        return entry, node, ids_of, (kinds, all_ids, order, plan, handle)
 
-        def describe(j: int) -> str:
+    def _finish_chunk_sets(self, pending) -> tuple[dict[str, list[torch.Tensor]], int]:
+        from disk_layout.io import ChecksumMismatch
+
+        entry, node, ids_of, reading = pending
+        if reading is None:
+            return {kind: [] for kind in ids_of}, 0
+        kinds, all_ids, order, (_, _, assemble, nbytes), handle = reading
+        try:
+            runs = self.reader.wait(handle)
+        except ChecksumMismatch as exc:
             self.metrics.corruptions += 1
-            return f"layer {entry.layer} {kind.upper()} chunk {int(sorted_ids[j])}: CRC mismatch"
-
-        read = self._read_packed if lay.packed else self._read_aligned
-        chunks, nbytes = read(entry, kind, sorted_ids, crcs, node, describe)
-        if np.any(order[1:] < order[:-1]):
-            out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-            for j, i in enumerate(order.tolist()):
-                out[i] = chunks[j]
-            chunks = out
-        self.metrics.chunks_read += len(ids)
+            i = int(order[exc.index])
+            raise CorruptNode(self._node(node, entry),
+                              f"layer {entry.layer} {kinds[i].upper()} chunk {int(all_ids[i])}: "
+                              "CRC mismatch") from None
+        except (ShortRead, FileNotFoundError) as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+        chunks = assemble(runs)
+        unsorted: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
+        for j, i in enumerate(order.tolist()):
+            unsorted[i] = chunks[j]
+        out, at = {}, 0
+        for kind, ids in ids_of.items():
+            out[kind] = unsorted[at:at + len(ids)]
+            at += len(ids)
+        self.metrics.chunks_read += len(all_ids)
         self.metrics.bytes_read += nbytes
-        return chunks, nbytes
+        return out, nbytes
 
-    def _read_aligned(self, entry: LayerEntry, kind: str, sorted_ids, crcs, node, describe
-                      ) -> tuple[list[torch.Tensor], int]:
-        """Page-aligned layout: every chunk is whole pages, runs of them are single reads."""
+    def _plan_aligned(self, entry: LayerEntry, offs, crcs):
+        """Page-aligned layout: every chunk is whole pages, runs of them are single reads.
+        offs: sorted chunk offsets. Returns (extents, checks, assemble(runs), bytes)."""
         from disk_layout.io import Extents
 
         lay = entry.layout
         stride = lay.chunk_stride
-        extents = Extents(lay.chunk_offset(kind, 0) + sorted_ids * stride, stride,
-                          lay.chunk_bytes, crcs)
-        runs = self._read(node, entry, extents, describe=describe, runs=True)
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
-        chunks: list[torch.Tensor] = []
-        for run in runs:
-            m = len(run.members)
-            payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(torch.float16)
-            chunks.extend(payload.view(m, *shape).unbind(0))
-        return chunks, len(sorted_ids) * stride
 
-    def _read_packed(self, entry: LayerEntry, kind: str, sorted_ids, crcs, node, describe
-                     ) -> tuple[list[torch.Tensor], int]:
-        """Packed layout: each run of consecutive chunks is read as the pages it touches."""
+        def assemble(runs) -> list[torch.Tensor]:
+            chunks: list[torch.Tensor] = []
+            for run in runs:
+                m = len(run.members)
+                payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(torch.float16)
+                chunks.extend(payload.view(m, *shape).unbind(0))
+            return chunks
+
+        return Extents(offs, stride, lay.chunk_bytes, crcs), None, assemble, len(offs) * stride
+
+    def _plan_packed(self, entry: LayerEntry, offs, crcs):
+        """Packed layout: each run of adjacent chunks is read as the pages it touches.
+        offs: sorted chunk offsets. Returns (extents, checks, assemble(runs), bytes)."""
         from disk_layout.io import MAX_RUN_BYTES
 
         lay = entry.layout
         size = lay.chunk_bytes
-        offs = lay.chunk_offset(kind, 0) + sorted_ids * size
-        breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-        bounds = [0, *breaks.tolist(), len(sorted_ids)]
+        breaks = np.flatnonzero(offs[1:] != offs[:-1] + size) + 1
+        bounds = [0, *breaks.tolist(), len(offs)]
         per_run = max(1, MAX_RUN_BYTES // size)
         groups, extents = [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -429,47 +480,78 @@ class PrefixStore:
         # CRCs are checked by the reader threads as each run lands.
         checks = [[(int(offs[j]) - lo, size, int(crcs[j]), j) for j in range(g0, g1)]
                   for (g0, g1), (lo, _) in zip(groups, extents)]
-        runs = self._read(node, entry, extents, checks=checks, describe=describe, runs=True)
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
-        chunks: list[torch.Tensor] = []
-        for run in runs:
-            for i in run.members:
-                # One view per group of adjacent chunks (slices of the run's buffer, so the
-                # buffer pool sees them), split into chunks.
-                g0, g1 = groups[i]
-                start = int(offs[g0]) - run.offset
-                span = run.data[start:start + (g1 - g0) * size]
-                chunks.extend(span.view(torch.float16).view(g1 - g0, *shape).unbind(0))
-        return chunks, sum(length for _, length in extents)
+
+        def assemble(runs) -> list[torch.Tensor]:
+            chunks: list[torch.Tensor] = []
+            for run in runs:
+                for i in run.members:
+                    # One view per group of adjacent chunks (slices of the run's buffer, so
+                    # the buffer pool sees them), split into chunks.
+                    g0, g1 = groups[i]
+                    start = int(offs[g0]) - run.offset
+                    span = run.data[start:start + (g1 - g0) * size]
+                    chunks.extend(span.view(torch.float16).view(g1 - g0, *shape).unbind(0))
+            return chunks
+
+        return extents, checks, assemble, sum(length for _, length in extents)
 
     def load_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None,
                     ratios=None) -> tuple[list[torch.Tensor], dict[str, int]]:
         """Chunks through the tiers: GPU cache, then CPU cache, then disk (admitted after).
 
         Returns the chunks (on the GPU tier's device when they came from it, else host
-        memory) and bytes served per tier {"gpu", "cpu", "disk"}.
+        memory) and bytes served per tier {"gpu", "cpu", "disk"}, and "disk_chunks".
         """
-        ids = [int(i) for i in chunk_ids]
-        ratios = [0.0] * len(ids) if ratios is None else [float(r) for r in ratios]
-        out: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+        chunks, served = self.load_kv_chunks(entry, {kind: chunk_ids}, node,
+                                             None if ratios is None else {kind: ratios})
+        return chunks[kind], served
+
+    def load_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None
+                       ) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
+        """load_chunks() for several kinds at once ({"k": ids, "v": ids}, ratios per id of
+        each): what the tiers miss is read from disk in one round trip."""
+        return self.finish_kv_chunks(self.start_kv_chunks(entry, wanted, node, ratios))
+
+    def start_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None):
+        """load_kv_chunks() in two halves: this one serves the tier hits and submits the
+        disk reads; finish_kv_chunks() waits for them (the caller computes meanwhile).
+        Every start must be finished, even when the caller gives up on the result."""
+        out: dict[str, list[torch.Tensor]] = {}
         served = {"gpu": 0, "cpu": 0, "disk": 0, "disk_chunks": 0}
-        missing = []
-        for j, (i, r) in enumerate(zip(ids, ratios)):
-            hit = self.cache.get(self._key(entry, kind, i), r) if self.cache else None
-            if hit is None:
-                missing.append(j)
-            else:
-                tier, tensor = hit
-                out[j] = tensor
-                served[tier] += entry.layout.chunk_bytes
-        if missing:
-            fresh, nbytes = self._read_chunks(entry, kind, [ids[j] for j in missing], node)
+        missing: dict[str, list[int]] = {}
+        ratio_of: dict[str, list[float]] = {}
+        ids_wanted: dict[str, list[int]] = {}
+        for kind, chunk_ids in wanted.items():
+            ids = ids_wanted[kind] = [int(i) for i in chunk_ids]
+            r = [0.0] * len(ids) if ratios is None else [float(x) for x in ratios[kind]]
+            ratio_of[kind] = r
+            got: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+            miss = []
+            for j, i in enumerate(ids):
+                hit = self.cache.get(self._key(entry, kind, i), r[j]) if self.cache else None
+                if hit is None:
+                    miss.append(j)
+                else:
+                    tier, tensor = hit
+                    got[j] = tensor
+                    served[tier] += entry.layout.chunk_bytes
+            out[kind], missing[kind] = got, miss
+        ids_of = {k: [ids_wanted[k][j] for j in m] for k, m in missing.items() if m}
+        reading = self._start_chunk_sets(entry, ids_of, node) if ids_of else None
+        return entry, out, served, missing, ids_of, ratio_of, reading
+
+    def finish_kv_chunks(self, pending) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
+        entry, out, served, missing, ids_of, ratio_of, reading = pending
+        if reading is not None:
+            fresh, nbytes = self._finish_chunk_sets(reading)
             served["disk"] += nbytes
-            served["disk_chunks"] = len(missing)
-            for j, tensor in zip(missing, fresh):
-                out[j] = tensor
-                if self.cache is not None:
-                    self.cache.admit(self._key(entry, kind, ids[j]), tensor, ratios[j])
+            served["disk_chunks"] = sum(len(m) for m in missing.values())
+            for kind, ids in ids_of.items():
+                for j, i, tensor in zip(missing[kind], ids, fresh[kind]):
+                    out[kind][j] = tensor
+                    if self.cache is not None:
+                        self.cache.admit(self._key(entry, kind, i), tensor, ratio_of[kind][j])
         return out, served
 
     @staticmethod
@@ -482,7 +564,7 @@ class PrefixStore:
         k = torch.cat(self.read_chunks(entry, "k", ids, node), dim=1)
         v = torch.cat(self.read_chunks(entry, "v", ids, node), dim=1)
         if entry.mapping is not None:
-            to_physical = torch.from_numpy(np.argsort(entry.mapping))
+            to_physical = torch.from_numpy(entry.physical_of)
             k, v = k[:, to_physical], v[:, to_physical]
         return k, v
 

@@ -88,6 +88,9 @@ class ChunkCache:
         self._pin = torch.cuda.is_available()
         self._gpu = _Tier("gpu", config.gpu_bytes)
         self._cpu = _Tier("cpu", config.cpu_bytes)
+        # Both tiers empty by configuration: per-chunk statistics would cost time on every
+        # read and never decide anything.
+        self._off = config.gpu_bytes <= 0 and config.cpu_bytes <= 0
         self._stats: collections.OrderedDict[ChunkKey, _Stats] = collections.OrderedDict()
         self._by_node: dict[Hashable, set[ChunkKey]] = {}  # so invalidation never scans
         self._clock = itertools.count(1)
@@ -104,8 +107,12 @@ class ChunkCache:
         mutate it.
         """
         with self._lock:
-            self._touch(key, important_ratio)
             gpu, cpu = self._gpu, self._cpu
+            if self._off:   # no tier holds anything: only count the misses
+                gpu.counters["misses"] += 1
+                cpu.counters["misses"] += 1
+                return None
+            self._touch(key, important_ratio)
             res = gpu.chunks.get(key)
             if res is not None:
                 gpu.counters["hits"] += 1
@@ -123,6 +130,8 @@ class ChunkCache:
 
     def admit(self, key: ChunkKey, tensor: torch.Tensor, important_ratio: float) -> str | None:
         """Offer a chunk just read from disk; returns the tier that took a copy, or None."""
+        if self._off:
+            return None
         with self._lock:
             stats = self._touch(key, important_ratio)
             where = self._where(key)

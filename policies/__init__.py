@@ -17,12 +17,14 @@ Decode-phase policies (prefill as `full`; per decode step, pages under `decode_b
     quest         position-ordered pages ranked by per-page key bounds
     page_window   sink and recent window only
     page_random   sink, window and random pages
+    page_oracle   sink, window and the pages with the most exact attention mass (a bound;
+                  page_oracle:semantic on icecache's pages, page_oracle:token on single tokens)
 """
 from __future__ import annotations
 
 from .base import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
 from .baselines import RandomChunks, SinkRecent
-from .decode_baselines import PageRandom, PageWindow
+from .decode_baselines import PageOracle, PageRandom, PageWindow
 from .decode_pages import DecodeConfig
 from .full import AsLike, Full
 from .h2o import AsH2O
@@ -33,9 +35,10 @@ from .recomp import Recomp
 from .replay import Replay
 
 POLICY_NAMES = ("recomp", "full", "as_like", "as_h2o_lru", "as_h2o_lfu", "impress",
-                "random", "sink_recent", "icecache", "quest", "page_window", "page_random")
+                "random", "sink_recent", "icecache", "quest", "page_window", "page_random",
+                "page_oracle")
 DECODE_POLICIES = {"icecache": IceCache, "quest": Quest, "page_window": PageWindow,
-                   "page_random": PageRandom}
+                   "page_random": PageRandom, "page_oracle": PageOracle}
 
 
 def make_policy(name: str, config: ServingConfig = ServingConfig(),
@@ -49,6 +52,8 @@ def make_policy(name: str, config: ServingConfig = ServingConfig(),
         return IceCache(config, decode, variant)
     if base == "replay":
         return Replay(config, variant)
+    if base == "page_oracle":
+        return PageOracle(config, decode, variant)
     if variant:
         raise ValueError(f"policy {base} has no variants")
     if base in ("as_h2o_lru", "as_h2o_lfu"):

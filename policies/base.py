@@ -23,6 +23,7 @@ class ServingConfig:
     threshold_value: float = 0.85      # for "fixed"
     adaptive_alpha: float = 0.6
     probe_heads: str | tuple[int, ...] = "auto"  # see resolve_probe_heads
+    probe_queries: int = 0             # probe with the last N new tokens' queries (0: all)
     decode_over: str = "kept"          # decode over the kept set, or "full" prefix
     decode_budget: int = 256           # tokens attended per layer and step by decode-phase
                                        # page policies (icecache, quest, page_*)
@@ -37,6 +38,8 @@ class ServingConfig:
             raise ValueError("threshold must be adaptive, fixed or none")
         if self.decode_over not in ("kept", "full"):
             raise ValueError("decode_over must be kept or full")
+        if self.probe_queries < 0:
+            raise ValueError("probe_queries must be 0 (all) or positive")
         if self.decode_budget < 32:
             raise ValueError("decode_budget must be at least 32 tokens (two pages)")
 
@@ -98,7 +101,7 @@ class Segment:
         """Physical chunk of each of the first `used` logical tokens (computed once)."""
         if self._chunk_of is None:
             e = self.entry
-            phys = np.arange(e.layout.n_tokens) if e.mapping is None else np.argsort(e.mapping)
+            phys = np.arange(e.layout.n_tokens) if e.mapping is None else e.physical_of
             self._chunk_of = phys[: self.used] // e.layout.chunk_size
         return self._chunk_of
 
@@ -158,6 +161,8 @@ class ServingPolicy:
     store_new = True          # insert newly computed prefix KV into the store
     tier_policy = "lru"       # "lru", "lfu" or "score" for the GPU/CPU tiers
     reorder = False           # background importance reordering of the store
+    reads_probe = False       # plan_layer reads the probe copy (the engine prefetches it)
+    loads_everything = False  # plan_layer always loads every chunk (the engine reads ahead)
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config

@@ -7,6 +7,7 @@ from .base import ServingPolicy
 
 class Full(ServingPolicy):
     name = "full"
+    loads_everything = True
 
 
 class AsLike(ServingPolicy):

@@ -4,7 +4,7 @@ Prefill is the `full` policy's: every stored prefix chunk is loaded and attended
 token is exact. After prefill each layer's KV moves to CPU memory as pages of similar keys under
 a hierarchical index (policies/page_index.py); sink and window pages stay on the compute device;
 each decode step retrieves, per layer and KV head, the pages the current query needs under the
-token budget (ServingConfig.decode_budget, 256 by default = 2 sink + 2 window + 12 retrieved
+token budget (ServingConfig.decode_budget, 256 by default = 1 sink + 3 window + 12 retrieved
 pages of 16). The first `dense_layers` layers attend over everything, as in the paper. Variants:
 `icecache:reuse` shares one selection among 3 consecutive layers (IceCache(r)); prefetching the
 next layer's pages with a predicted query is DecodeConfig(prefetch=True).

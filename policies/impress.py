@@ -17,6 +17,7 @@ ABLATIONS = {"itf": ("lru", False), "itf_ro": ("lru", True), "all": ("score", Tr
 
 class Impress(ServingPolicy):
     name = "impress"
+    reads_probe = True
 
     def __init__(self, config: ServingConfig = ServingConfig(), ablation: str = "all"):
         super().__init__(config)

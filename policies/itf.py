@@ -25,16 +25,24 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     k_prefix = keys[kv_of]                                    # (P, n, d)
     q = ctx.q[list(ctx.probe_heads)]                          # (P, s, d)
     k_new = ctx.k_new[[h // ctx.group for h in ctx.probe_heads]]
-    s = q.shape[1]
-    logits_prefix = q @ k_prefix.transpose(1, 2) / math.sqrt(d)
+    s = k_new.shape[1]
+    last = ctx.config.probe_queries
+    if 0 < last < s:
+        # Only the last queries probe: on CPU scoring costs as much as one full attention
+        # product, and the end of a request is what the next tokens follow.
+        q = q[:, -last:]
+    q = q * (1.0 / math.sqrt(d))
+    logits_prefix = q @ k_prefix.transpose(1, 2)              # (P, s', n)
     if ctx.n_pad:
         logits_prefix[..., : ctx.n_pad] = float("-inf")     # pad tokens: never important
-    logits_new = q @ k_new.transpose(1, 2) / math.sqrt(d)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    logits_new = logits_new.masked_fill(~causal, float("-inf"))
-    # The new tokens also attend to each other: normalise over everything they see.
-    probs = torch.softmax(torch.cat([logits_prefix, logits_new], dim=-1), dim=-1)
-    return probs[..., : k_prefix.shape[1]].sum(dim=1)
+    causal = torch.ones(q.shape[1], s, dtype=torch.bool).tril(diagonal=s - q.shape[1])
+    logits_new = (q @ k_new.transpose(1, 2)).masked_fill_(~causal, float("-inf"))
+    # The new tokens also attend to each other: normalise over everything they see. Done
+    # in place on the prefix part (no concatenated copy): this runs on every layer.
+    peak = torch.maximum(logits_prefix.amax(-1, keepdim=True), logits_new.amax(-1, keepdim=True))
+    probs = logits_prefix.sub_(peak).exp_()
+    total = probs.sum(-1, keepdim=True) + (logits_new - peak).exp().sum(-1, keepdim=True)
+    return probs.div_(total).sum(dim=1)
 
 
 def top_k_sets(scores: torch.Tensor, k: int) -> torch.Tensor:

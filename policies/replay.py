@@ -152,6 +152,7 @@ class Replay(ServingPolicy):
     name = "replay"
     tier_policy = "score"
     reorder = True
+    reads_probe = True
 
     def __init__(self, config: ServingConfig = ServingConfig(), trace: "Trace | str | None" = None,
                  target_layers: int | None = None):

@@ -225,3 +225,31 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
         store.close()
     with pytest.raises(Exception, match="n_pad"):
         Engine(rt, None, make_policy("recomp", cfg)).serve(Request([0, 0], [1], 1, n_pad=2))
+
+
+def test_corrupt_prefetched_probe_is_recomputed_not_served(tiny_runtimes, tmp_path, caplog):
+    """The last layer's probe keys are read ahead, while the layer before computes: a CRC
+    failure there still takes the node out of service and the request is recomputed."""
+    rt = tiny_runtimes["llama-tiny"]
+    prefix, query = _ids(14, 128), _ids(15, 6)
+    ref = rt.generate([prefix + query], 3).new_ids[0]
+    cfg = ServingConfig(retention=0.25, threshold="none")
+    policy = make_policy("impress", cfg)
+    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
+    try:
+        engine = Engine(rt, store, policy)
+        engine.serve(Request(prefix, query, 3))
+        (node,) = store.tree.nodes.values()
+        entry = store.entry(node, rt.spec.config.num_hidden_layers - 1)
+        with open(entry.path, "r+b") as f:
+            f.seek(5)
+            f.write(b"\x00\xff\x00")
+        with caplog.at_level("WARNING"):
+            resp = engine.serve(Request(prefix, query, 3))
+        assert resp.tokens == ref
+        assert resp.stats.recovered_from_corruption == 1 and resp.stats.matched_tokens == 0
+        assert "quarantined" in caplog.text
+        healed = engine.serve(Request(prefix, query, 3))
+        assert healed.stats.matched_tokens == 128 and healed.stats.probe_bytes > 0
+    finally:
+        store.close()

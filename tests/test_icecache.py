@@ -54,7 +54,8 @@ def test_pages_partition_the_tokens_and_hold_at_most_16():
 def test_index_recall_is_high_on_clustered_keys_and_exact_with_full_budget():
     centres, keys = _clustered()
     n = keys.shape[1]
-    index = PageIndex(keys, keys, torch.arange(n), IndexConfig(fov_min=8))
+    # leaf_fov=0: the tree's field of view picks the candidate pages, not exhaustive scoring.
+    index = PageIndex(keys, keys, torch.arange(n), IndexConfig(fov_min=8, leaf_fov=0))
     hits = total = 0
     for c in range(centres.shape[1]):
         q = centres[:, c]                                   # one query head per KV head
@@ -108,7 +109,8 @@ def _serve(rt, name, prefix, query, new_tokens, budget=256, forced=None, **decod
 
 
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])
-@pytest.mark.parametrize("policy", ["icecache", "icecache:reuse", "quest"])
+@pytest.mark.parametrize("policy", ["icecache", "icecache:reuse", "quest", "page_oracle",
+                                    "page_oracle:semantic", "page_oracle:token"])
 def test_budget_covering_the_context_equals_full_decoding(tiny_runtimes, model, policy):
     rt = tiny_runtimes[model]
     prefix, query = _ids(1, 150), _ids(2, 6)
@@ -131,6 +133,52 @@ def test_small_budget_attends_less_and_moves_fewer_bytes(tiny_runtimes):
     # Prefetching with the previous step's query of the next layer runs and stays close.
     pre = _serve(rt, "icecache", prefix, query, 24, budget=64, prefetch=True)
     assert pre.tokens[0] == full.tokens[0] and len(pre.tokens) == 24
+
+
+def _selected_attention(selector_name, keys, values, q, budget):
+    """One decode step through PagedDecode: share of the full attention mass on the keys the
+    policy attends, and the error of its attention output against full attention."""
+    kv, n, d = keys.shape
+    cfg = DecodeConfig(dense_layers=0)
+    selector = make_policy(selector_name, ServingConfig(decode_budget=budget),
+                           decode=cfg).make_selector()
+    kept = [[keys, values, torch.ones(kv, n, dtype=torch.bool)]]
+    state = PagedDecode(selector, cfg, budget, kept, n_head=q.shape[0], device=torch.device("cpu"))
+    k_new, v_new = torch.zeros(kv, 1, d), torch.zeros(kv, 1, d)
+    sel_k, sel_v, mask = state.attend_set(0, q, k_new, v_new)
+    assert int(mask.sum(1).max()) <= budget
+
+    def attend(k, v, m):
+        w = torch.softmax((torch.einsum("kd,knd->kn", q, k) * d ** -0.5).masked_fill(~m, -1e9), -1)
+        return w, torch.einsum("kn,knd->kd", w, v)
+
+    all_k, all_v = torch.cat([keys, k_new], 1), torch.cat([values, v_new], 1)
+    w_full, out_full = attend(all_k, all_v, torch.ones(kv, n + 1, dtype=torch.bool))
+    _, out_sel = attend(sel_k, sel_v, mask)
+    lse = lambda k, m: torch.logsumexp((torch.einsum("kd,knd->kn", q, k) * d ** -0.5)
+                                       .masked_fill(~m, -1e9), -1)
+    mass = (lse(sel_k, mask) - lse(all_k, torch.ones(kv, n + 1, dtype=torch.bool))).exp()
+    return float(mass.mean()), float((out_sel - out_full).norm(dim=-1).mean())
+
+
+def test_page_oracle_bounds_the_retrievers():
+    centres, keys = _clustered(clusters=16, per=30)         # clusters interleaved in position
+    values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(5))
+    q = 2 * centres[:, 3]                                   # one query head per KV head
+    got = {name: _selected_attention(name, keys, values, q, 128)
+           for name in ("page_random", "quest", "icecache", "page_oracle",
+                        "page_oracle:semantic", "page_oracle:token")}
+    mass = {name: m for name, (m, _) in got.items()}
+    err = {name: e for name, (_, e) in got.items()}
+    assert mass["page_oracle"] > mass["page_random"] and err["page_oracle"] < err["page_random"]
+    assert mass["page_oracle"] >= mass["quest"] - 1e-6       # same pages, exact scores
+    # One query head per group: the oracle's ranking is icecache's over every page.
+    assert mass["page_oracle:semantic"] >= mass["icecache"] - 1e-6
+    assert mass["page_oracle:semantic"] > mass["page_oracle"]   # similar keys share pages
+    assert mass["page_oracle:token"] >= max(mass.values()) - 1e-6
+    assert err["page_oracle:semantic"] < 0.5 * err["page_random"]
+    with pytest.raises(ValueError):
+        make_policy("page_oracle:nope")
 
 
 def test_teacher_forcing_with_greedy_tokens_equals_free_decoding(tiny_runtimes):

@@ -36,6 +36,7 @@ def test_top_k_and_vote():
 class _Entry:
     def __init__(self, n, c, mapping=None):
         self.mapping = mapping
+        self.physical_of = None if mapping is None else np.argsort(mapping)
         self.layout = type("L", (), {"n_tokens": n, "chunk_size": c, "n_chunks": n // c})
 
 
@@ -82,3 +83,28 @@ def test_probe_head_specs():
         resolve_probe_heads("12", 9, 3)
     with pytest.raises(ValueError):
         resolve_probe_heads("bogus", 9, 3)
+
+
+@pytest.mark.parametrize("last", [0, 3, 8, 20])
+def test_probe_scores_with_the_last_queries(last):
+    """probe_queries=N: the last N new tokens score the prefix, each normalised over the
+    prefix and the new tokens it sees (causal); 0 or N >= s means every query."""
+    import types
+
+    from policies import ServingConfig
+    from policies.itf import probe_scores
+
+    g = torch.Generator().manual_seed(3)
+    P, s, n, d = 3, 8, 40, 16
+    q, k, k_new = (torch.randn(P, s, d, generator=g), torch.randn(P, n, d, generator=g),
+                   torch.randn(P, s, d, generator=g))
+    ctx = types.SimpleNamespace(read_probe=lambda: k.clone(), probe_kv_heads=(0, 1, 2),
+                                probe_heads=(0, 1, 2), group=1, q=q, k_new=k_new, n_pad=2,
+                                config=ServingConfig(probe_queries=last))
+    want = torch.zeros(P, n)
+    for p in range(P):
+        for i in range(s - (last if 0 < last < s else s), s):
+            logits = torch.cat([k[p] @ q[p, i], k_new[p, : i + 1] @ q[p, i]]) / d ** 0.5
+            logits[:2] = float("-inf")       # pads
+            want[p] += torch.softmax(logits, 0)[:n]
+    assert torch.allclose(probe_scores(ctx), want, atol=1e-5)

@@ -413,3 +413,40 @@ def test_reading_no_chunks_reads_nothing(tmp_path, packed):
         assert store.read_chunks(entry, "k", [], node) == []
         chunks, served = store.load_chunks(entry, "v", [], node)
         assert chunks == [] and served["disk"] == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
+    """load_kv_chunks reads K and V together (one submission, reads of both in flight) and
+    gives exactly what separate loads give; a corrupt V chunk is still caught."""
+    # 3 heads x 16 tokens x 64 x fp16 = 6 KiB chunks are packed; 2 heads make 4 KiB pages.
+    shape = ModelShape("kv", n_layers=1, n_kv_heads=3 if packed else 2, head_dim=64)
+    n = 8 * C
+    g = torch.Generator().manual_seed(9)
+    kv = [(torch.randn(shape.n_kv_heads, n, shape.head_dim, generator=g).half(),
+           torch.randn(shape.n_kv_heads, n, shape.head_dim, generator=g).half())
+          for _ in range(shape.n_layers)]
+    with PrefixStore(tmp_path / "s", shape, config()) as store:
+        (node,) = store.insert(np.arange(n), 0, kv)
+        entry = store.entry(node, 0)
+        assert entry.layout.packed == packed
+        submits = []
+        real_submit = store.reader.submit
+        store.reader.submit = lambda *a, **k: submits.append(a[0]) or real_submit(*a, **k)
+        ids_k, ids_v = [5, 1, 2], [0, 2, 7]
+        got, served = store.load_kv_chunks(entry, {"k": ids_k, "v": ids_v}, node)
+        assert len(submits) == 1 and served["disk_chunks"] == 6
+        for kind, ids, want in (("k", ids_k, kv[0][0]), ("v", ids_v, kv[0][1])):
+            for i, t in zip(ids, got[kind]):
+                assert torch.equal(bits(t), bits(want[:, i * C:(i + 1) * C]))
+        store.reader.submit = real_submit
+        # The two halves: start submits, finish waits; a bad V chunk raises at finish.
+        v_off = entry.layout.chunk_offset("v", 0) + 7 * entry.layout.chunk_stride
+        with open(entry.path, "r+b") as f:
+            f.seek(v_off + 10)
+            byte = f.read(1)
+            f.seek(v_off + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        pending = store.start_kv_chunks(entry, {"k": [0], "v": [7]}, node)
+        with pytest.raises(CorruptNode, match="V chunk 7"):
+            store.finish_kv_chunks(pending)

@@ -289,3 +289,17 @@ def test_two_threads_hammering_stay_consistent():
     check_accounting(cache)
     m = cache.metrics
     assert m["gpu"]["hits"] > 0 and m["cpu"]["hits"] + m["cpu"]["misses"] == m["gpu"]["misses"]
+
+
+def test_tiers_of_no_capacity_only_count_misses():
+    """With both tiers sized 0 nothing is cached and no per-chunk statistics are kept (they
+    would cost time on every read and never decide anything)."""
+    cache = ChunkCache(TierConfig(gpu_bytes=0, cpu_bytes=0, policy="score"))
+    t = torch.zeros(4, 16)
+    for i in range(5):
+        assert cache.get(("n", 0, 1, "k", i), 0.5) is None
+        assert cache.admit(("n", 0, 1, "k", i), t, 0.5) is None
+    m = cache.metrics
+    assert m["gpu"]["misses"] == 5 and m["cpu"]["misses"] == 5
+    assert m["gpu"]["hits"] == 0 and m["cpu"]["used_bytes"] == 0
+    assert not cache.resident_keys("cpu") and len(cache._stats) == 0
