@@ -1,7 +1,7 @@
 """Task accuracy of each serving policy on a real model, every request through the engine.
 
     python -m experiments.accuracy [--model smollm2-135m] [--quick] [--sensitivity]
-                                   [--json PATH] [--figure PATH]
+                                   [--only LABELS] [--json PATH] [--figure PATH]
 
 Shared prefixes of natural text (public-domain books, impress_flexgen.corpus; 2 x 1024
 tokens, Emma and Genesis; quick: one) are reused by many queries, as in a few-shot setting.
@@ -56,6 +56,27 @@ cold serve makes, with the same values. This saves a prefill of every prefix in 
 configuration. `--cold-serve` serves cold in every configuration instead;
 tests/test_accuracy.py checks that both give identical results.
 
+Decode mode. The decode-phase page policies (icecache, quest, page_window = sink + recent
+window, page_random; policies.DECODE_POLICIES) prefill exactly as `full` does and choose pages
+only at decode steps, so prefill query logits would score them equal to full KV. Their rows
+(`icecache@256` etc.: ServingConfig.decode_budget = 256 tokens per layer and step) score every
+task through teacher-forced decode steps (Request.forced; step logits take the place of query
+logits), against a `full (decode)` reference served the same way, since decode steps and a
+prefill pass differ in rounding:
+  recall     the query alone is prefilled; the candidate is forced token by token (row i of
+             the step logits predicts candidate token i; 16 steps per candidate);
+  fidelity   the passage's first token is the query and the other 63 are forced, so the same
+             64 positions are scored as in prefill mode;
+  retrieval  the 4-way choice as recall; the greedy digits are the same request in both modes.
+A candidate's first token is predicted by prefill, i.e. over the whole prefix under every
+decode-mode row; only the tokens after it are decode steps. The four passkeys differ in every
+digit, so the first digit alone can decide retrieval's 4-way choice here: in decode mode it
+does not separate the policies (smollm2-135m: 1.00 for all four), the greedy digits do.
+Their `retention` is None and `budget` the token budget; bytes_loaded_fraction is the K/V moved
+to the compute device per decode step (RequestStats.decode_bytes_per_step) over what full
+decoding attends per step on the same requests; prefill_bytes_loaded_fraction keeps the
+prefill's figure (the whole prefix, as `full`). Not in the figure (no retention axis).
+
 Sensitivity (`--sensitivity`, included in the full run): the fidelity task at r = 0.25,
 impress in chunk mode (base: the default RunConfig) and token mode (base: the paper's
 settings: heads 0,1,2, fp16 probes, 64-token chunks, adaptive threshold), one knob at a
@@ -89,8 +110,9 @@ How the tasks were redesigned (smollm2-135m, 2 x 1024-token prefixes, seed 0):
   at r = 0.25 to show both effects.
 
 Quick mode (CI): one 1024-token prefix (4 recall and 4 fidelity queries, 1 warm-up), 4
-retrieval prefixes, r = 0.25, policies full, impress (default RunConfig) and random; no
-sensitivity unless --sensitivity is given (then a small subset). About 2.5 minutes here.
+retrieval prefixes, r = 0.25, policies full, impress (default RunConfig) and random; decode-mode
+rows only when --only names them; no sensitivity unless --sensitivity is given (then a small
+subset). About 2.5 minutes here.
 
 Torch runs single-threaded by default (--threads): on the shared 2-core machine, two
 threads beside another busy process made each request several times slower.
@@ -368,8 +390,33 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
                 RunConfig("impress (sort all)", "impress", x, reorder_hot_fraction=1.0),
                 # IceCache's layout on disk: chunks of similar keys instead of importance.
                 RunConfig("impress (semantic layout)", "impress", x, reorder_by="semantic"),
+                # Cheaper probing on CPU: only the request's last queries score the prefix.
+                RunConfig("impress (probe last 32)", "impress", x, probe_queries=32),
+                RunConfig("impress (probe last 16)", "impress", x, probe_queries=16),
             ]
     return runs
+
+
+# Decode-phase page policies, at their token budget (they act only after prefill).
+DECODE_POLICY_ROWS = ("icecache", "quest", "page_window", "page_random")
+DECODE_BUDGETS = (256,)
+DECODE_REFERENCE = "full (decode)"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRun:
+    """A row scored in decode mode; budget None for the full-KV reference."""
+
+    run: RunConfig
+    budget: int | None = None
+
+
+def decode_runs(budgets=DECODE_BUDGETS) -> list[DecodeRun]:
+    """The decode-mode rows, their full-KV reference first. Retention 1.0: prefill loads the
+    whole prefix (these policies subclass `full`); only the budget shapes decoding."""
+    return [DecodeRun(RunConfig(DECODE_REFERENCE, "full", 1.0)), *(
+        DecodeRun(RunConfig(f"{name}@{b}", name, 1.0), b)
+        for b in budgets for name in DECODE_POLICY_ROWS)]
 
 
 SENS_BASES = {
@@ -466,7 +513,8 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _choice_ll(logits: torch.Tensor, query_len: int, cand: list[int]) -> float:
-    """Sum of log-probs of the candidate tokens (the query's last len(cand) tokens)."""
+    """Sum of log-probs of the candidate tokens, predicted by rows query_len - 1 on (prefill:
+    the candidate is the query's last len(cand) tokens; decode mode: query_len = 1)."""
     lp = _logprobs(logits[query_len - 1:query_len - 1 + len(cand)])
     return float(lp[torch.arange(len(cand)), torch.tensor(cand)].sum())
 
@@ -478,12 +526,25 @@ def _compare(ref: torch.Tensor | None, logits: torch.Tensor, kls: list, top1: li
     top1.append(float((ref.argmax(-1) == logits.argmax(-1)).float().mean()))
 
 
-def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
-    """One configuration on a fresh store: {task: result row}."""
+def _forced(resp) -> torch.Tensor:
+    """A teacher-forced response's step logits as one (positions, vocab) tensor: row i is
+    the distribution of the i-th forced position, as query_logits' row i is in prefill."""
+    return torch.stack(resp.step_logits)
+
+
+def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False,
+             budget: int | None = None) -> dict[str, dict]:
+    """One configuration on a fresh store: {task: result row}.
+
+    decode: score through teacher-forced decode steps instead of prefill query logits (see
+    "Decode mode"); budget: the decode-phase policies' token budget (ServingConfig)."""
     cfg = run.serving()
+    if budget is not None:
+        cfg = dataclasses.replace(cfg, decode_budget=budget)
     policy = make_policy(run.policy, cfg)
     t = ctx.tasks
     is_ref = run.policy == "full" and run.retention == 1.0
+    mode = "decode" if decode else "prefill"
     tmp = Path(tempfile.mkdtemp(prefix="acc-store-", dir=ctx.root))
     store = None
     try:
@@ -507,10 +568,18 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
                 store.reorder_now()
             store.cache.reset_metrics()
 
-        def serve(p, query, new_tokens=1):
-            resp = engine.serve(Request(t.prefixes[p], query, new_tokens), query_logits=True)
+        def serve(p, query):
+            """Prefill mode: row i of the logits predicts the token after query[i]."""
+            resp = engine.serve(Request(t.prefixes[p], query, 1), query_logits=True)
             _tick(ctx)
-            return resp
+            return resp, resp.query_logits
+
+        def serve_forced(p, query, forced, steps):
+            """Decode mode: `steps` rows; row 0 (from prefill) predicts forced[0], row i the
+            token after forced[i - 1], which decode step i - 1 was fed."""
+            resp = engine.serve(Request(t.prefixes[p], query, steps, forced=forced))
+            _tick(ctx)
+            return resp, _forced(resp)
 
         out = {}
         for task in tasks_to_run:
@@ -518,13 +587,16 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
             if task == "fidelity":
                 nll = []
                 for i, (p, query) in enumerate(t.fidelity):
-                    resp = serve(p, query)
+                    # Decode mode feeds the passage's first token as the query and forces the
+                    # rest, so the same 64 positions are scored either way.
+                    resp, logits = (serve_forced(p, query[:1], query[1:], len(query))
+                                    if decode else serve(p, query))
                     rows.append(resp.stats)
-                    key = ("fidelity", i)
+                    key = (mode, "fidelity", i)
                     if is_ref:
-                        ctx.reference[key] = resp.query_logits
-                    _compare(ctx.reference.get(key), resp.query_logits, kls, top1)
-                    lp = _logprobs(resp.query_logits[:-1])
+                        ctx.reference[key] = logits
+                    _compare(ctx.reference.get(key), logits, kls, top1)
+                    lp = _logprobs(logits[:-1])
                     nll.append(-float(lp[torch.arange(len(query) - 1),
                                          torch.tensor(query[1:])].mean()))
                 extra["perplexity"] = float(math.exp(np.mean(nll)))
@@ -535,19 +607,23 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
                 for i, item in enumerate(items):
                     lls = []
                     for c, cand in enumerate(item.candidates):
-                        resp = serve(item.prefix, item.query + cand)
+                        if decode:
+                            resp, logits = serve_forced(item.prefix, item.query, cand,
+                                                        len(cand))
+                        else:
+                            resp, logits = serve(item.prefix, item.query + cand)
                         rows.append(resp.stats)
-                        lls.append(_choice_ll(resp.query_logits, len(item.query),
-                                              cand))
+                        lls.append(_choice_ll(logits, 1 if decode else len(item.query), cand))
                         if c == item.answer:
-                            key = (task, i)
+                            key = (mode, task, i)
                             if is_ref:
-                                ctx.reference[key] = resp.query_logits
-                            _compare(ctx.reference.get(key), resp.query_logits, kls, top1)
+                                ctx.reference[key] = logits
+                            _compare(ctx.reference.get(key), logits, kls, top1)
                     correct.append(int(np.argmax(lls) == item.answer))
                     others = [x for j, x in enumerate(lls) if j != item.answer]
                     margins.append(lls[item.answer] - max(others))
                     if task == "retrieval":
+                        # Greedy decoding, the same request in both modes.
                         gen = engine.serve(Request(t.prefixes[item.prefix], item.query,
                                                    PASSKEY_DIGITS))
                         _tick(ctx)
@@ -564,12 +640,24 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run) -> dict[str, dict]:
             row = summarize(run, policy, rows, kls, top1, store)
             if score is None:
                 score = row["top1_agreement"] if not is_ref else 1.0
+            loaded = row["bytes_loaded_fraction"]
+            if decode:
+                # What decoding moves per step, against full decoding of the same requests
+                # (prefill reads the whole prefix under every decode-mode row).
+                moved = float(sum(r.decode_bytes_per_step for r in rows))
+                if is_ref:
+                    ctx.reference[("decode bytes", task)] = moved
+                ref_moved = ctx.reference.get(("decode bytes", task))
+                extra["decode_bytes_per_step"] = moved / len(rows)
+                extra["prefill_bytes_loaded_fraction"] = loaded
+                loaded = moved / ref_moved if ref_moved else None
             out[task] = {
                 "policy": row["policy"], "label": run.label, "config": row["config"],
-                "retention": run.retention, "task": task, "score": score,
+                "retention": None if decode else run.retention, "budget": budget,
+                "mode": mode, "task": task, "score": score,
                 "kl": 0.0 if is_ref else row["kl"],
                 "top1_agreement": 1.0 if is_ref else row["top1_agreement"],
-                "bytes_loaded_fraction": row["bytes_loaded_fraction"],
+                "bytes_loaded_fraction": loaded,
                 "fallback_rate": row["fallback_rate"], **extra,
                 "kl_median": 0.0 if is_ref else row["kl_median"],
                 "read_amplification": row["read_amplification"],
@@ -613,7 +701,9 @@ def parse_args(argv):
     p.add_argument("--no-sensitivity", action="store_true",
                    help="full run without the sensitivity study")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of tasks")
-    p.add_argument("--only", help="comma-separated labels of main-grid rows (full always runs)")
+    p.add_argument("--only", help="comma-separated labels of main-grid rows, e.g. impress or "
+                                  "icecache@256 (full always runs, and full (decode) with "
+                                  "any decode-mode row)")
     p.add_argument("--retentions", help="comma-separated retention ratios (default "
                                         "0.5,0.25,0.1,0.05; quick: 0.25)")
     p.add_argument("--prefix-tokens", type=int, help="shared prefix length (multiple of 64)")
@@ -656,9 +746,20 @@ def main(argv=None) -> int:
     do_main = not args.sensitivity
     do_sens = args.sensitivity or (not args.quick and not args.no_sensitivity)
     runs = main_runs(args.retentions, args.quick) if do_main else []
-    if args.only:
-        keep = set(args.only.split(",")) | {"full"}
-        runs = [r for r in runs if r.label in keep]
+    decoded = decode_runs() if do_main else []
+    if args.only and do_main:
+        keep = {x for x in args.only.split(",") if x}
+        unknown = keep - {r.label for r in runs} - {d.run.label for d in decoded}
+        if unknown:
+            raise UserError(f"--only: no row labelled {', '.join(sorted(unknown))} in this "
+                            f"grid (labels: {', '.join(r.label for r in runs)}, "
+                            f"{', '.join(d.run.label for d in decoded)})")
+        runs = [r for r in runs if r.label in keep | {"full"}]
+        decoded = [d for d in decoded if d.run.label in keep]
+        if decoded and decoded[0].budget is not None:   # their reference always runs
+            decoded.insert(0, decode_runs(())[0])
+    elif args.quick:       # CI: decode rows only when named
+        decoded = []
     sens = sensitivity_runs(args.quick) if do_sens else []
     if do_sens and "fidelity" not in args.tasks:
         raise UserError("the sensitivity study needs the fidelity task")
@@ -673,7 +774,8 @@ def main(argv=None) -> int:
             tasks = build_tasks(rt.tokenizer, settings)
             main_tasks = args.tasks if do_main else ["fidelity"]
             total = len(tasks.prefixes) if not args.cold_serve else 0
-            total += sum(_requests(tasks, main_tasks, make_policy(r.policy).reuse) for r in runs)
+            total += sum(_requests(tasks, main_tasks, make_policy(r.policy).reuse)
+                         for r in runs + [d.run for d in decoded])
             math_ = FamilyMath(rt.spec)
             heads = (math_.n_head, math_.n_kv_head)
             main_keys = {_run_key(r, heads) for r in runs} if "fidelity" in main_tasks else set()
@@ -690,6 +792,9 @@ def main(argv=None) -> int:
                         fidelity_of.setdefault(_run_key(run, heads), rows["fidelity"])
                     if do_main:
                         results += [rows[t] for t in main_tasks]
+                for d in decoded:
+                    rows = evaluate(ctx, d.run, main_tasks, decode=True, budget=d.budget)
+                    results += [rows[t] for t in main_tasks]
                 for mode, knob, value, run in sens:
                     key = _run_key(run, heads)
                     if key not in fidelity_of:
@@ -738,6 +843,10 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def _pct(x):
+    return None if x is None else 100 * x
+
+
 def print_table(results, tasks) -> None:
     by = {}
     for r in results:
@@ -752,7 +861,7 @@ def print_table(results, tasks) -> None:
     head += f"{'loaded%':>9}{'fallbk':>7}"
     print(head)
     for (label, r), rows in by.items():
-        line = f"{label:<24}{r:>6.2f}"
+        line = f"{label:<24}{_fmt(r, '6.2f'):>6}"
         if "recall" in tasks:
             x = rows["recall"]
             line += f"{x['score']:>8.2f}{_fmt(x['kl'], '.3f'):>8}"
@@ -764,8 +873,11 @@ def print_table(results, tasks) -> None:
             line += (f"{_fmt(x['kl'], '.4f'):>8}{_fmt(x['top1_agreement'], '.3f'):>7}"
                      f"{x['perplexity']:>7.2f}")
         x = rows.get("fidelity") or rows[tasks[0]]      # bytes and fallbacks of one task
-        line += f"{100 * x['bytes_loaded_fraction']:>8.1f}%{x['fallback_rate']:>7.2f}"
+        line += f"{_fmt(_pct(x['bytes_loaded_fraction']), '8.1f'):>8}%{x['fallback_rate']:>7.2f}"
         print(line)
+    if any(r.get("mode") == "decode" for r in results):
+        print("r -: decode mode, teacher-forced through decode steps; KL and top-1 against "
+              f"'{DECODE_REFERENCE}', loaded% = K/V moved per decode step against it")
 
 
 def print_sensitivity(rows) -> None:
@@ -789,6 +901,7 @@ def plot(results, path: str, model: str) -> None:
               ("retrieval", "mc_accuracy", "retrieval: 4-way choice (candidate in query)",
                False),
               ("fidelity", "kl", "fidelity: KL(full || policy)", True)]
+    results = [r for r in results if r["retention"] is not None]   # decode rows: no r
     tasks = {r["task"] for r in results}
     panels = [p for p in panels if p[0] in tasks]
     cols = 2 if len(panels) > 1 else 1
