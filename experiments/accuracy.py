@@ -132,7 +132,7 @@ import torch
 from tqdm import tqdm
 
 from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
-from impress_flexgen.corpus import list_texts, load_text, passages
+from impress_flexgen.corpus import list_texts, passages
 from impress_flexgen.engine import Engine, FamilyMath, Request, TierSizes, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig

@@ -630,8 +630,8 @@ class _ReadAhead:
 
     The probe keys of layer l+1 do not depend on layer l's result, so their read hides
     behind layer l's compute; only the wait that is left shows as probe time. A policy
-    that loads every chunk (full, as_like) has its next layer's K and V read ahead the
-    same way. Decoding stays on the calling thread (a second thread doing tensor work
+    that loads every chunk (`loads_everything`: full) has its next layer's K and V read
+    ahead the same way. Decoding stays on the calling thread (a second thread doing tensor work
     would fight the compute threads for the cores). A read that fails (CRC, missing file)
     raises when its layer asks for it, as a direct read would.
     """
@@ -642,7 +642,7 @@ class _ReadAhead:
         self.segments_nodes = segments_nodes
         self.stats = stats
         stored = bool(segments_nodes) and engine.store is not None
-        self.on = stored and engine.policy.reads_probe
+        self.probes_on = stored and engine.policy.reads_probe
         self.whole_layers = stored and engine.policy.loads_everything
         self.pending: dict[int, list] = {}
         self.ready: dict[int, torch.Tensor | BaseException] = {}
@@ -662,16 +662,18 @@ class _ReadAhead:
             return
         if self.whole_layers and layer not in self.loaders:
             loader = self.loaders[layer] = self.loader(layer)
-            loader.start_early([(si, {"k": seg.all_chunks(), "v": seg.all_chunks()})
-                                for si, seg in enumerate(loader.segments)])
-        if not self.on or layer in self.pending:
+            everything = [seg.all_chunks() for seg in loader.segments]
+            loader.start_early([(si, {"k": ids, "v": ids}) for si, ids in enumerate(everything)])
+        if not self.probes_on or layer in self.pending:
             return
         reads = []
         try:
             for node, _ in self.segments_nodes:
                 reads.append(self.store.start_probe(self.store.entry(node, layer), node))
-        finally:
-            self.pending[layer] = reads
+        except BaseException:
+            self._drain(reads)   # the request fails (a missing file): nothing left in flight
+            raise
+        self.pending[layer] = reads
 
     def decode_probe(self, layer: int) -> None:
         """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
@@ -685,7 +687,7 @@ class _ReadAhead:
 
     def result(self, layer: int) -> torch.Tensor:
         """(n_probe_kv, n, d) float32 probe keys of `layer`, logical token order."""
-        if not self.on:
+        if not self.probes_on:
             raise RuntimeError("the policy reads no probe")
         if layer in self.ready:
             got = self.ready.pop(layer)
@@ -697,14 +699,10 @@ class _ReadAhead:
     def _finish(self, layer: int) -> torch.Tensor:
         self.start(layer)
         reads = self.pending.pop(layer)
-        if len(reads) < len(self.segments_nodes):   # start() failed part-way: read again
-            self._drain(reads)
-            reads = [self.store.start_probe(self.store.entry(n, layer), n)
-                     for n, _ in self.segments_nodes]
         parts = []
         try:
-            for (node, used), pending in zip(self.segments_nodes, reads):
-                entry = pending[0]
+            for (_, used), pending in zip(self.segments_nodes, reads):
+                entry = pending.entry
                 probe = self.store.finish_probe(pending)
                 if entry.mapping is not None:       # physical -> logical token order
                     probe = probe[:, torch.from_numpy(entry.physical_of)]

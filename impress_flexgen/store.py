@@ -117,7 +117,11 @@ class LayerEntry:
     crcs: np.ndarray             # probe, K chunks..., V chunks...
 
     def crc(self, kind: str, index: int) -> int:
-        return int(self.crcs[1 + index + (0 if kind == "k" else self.layout.n_chunks)])
+        return int(self.chunk_crcs(kind, np.asarray([index]))[0])
+
+    def chunk_crcs(self, kind: str, ids: np.ndarray) -> np.ndarray:
+        """CRC-32s of chunks `ids` of K or V (the probe section's comes first)."""
+        return self.crcs[1 + ids + (0 if kind == "k" else self.layout.n_chunks)]
 
     @functools.cached_property
     def physical_of(self) -> np.ndarray | None:
@@ -175,6 +179,42 @@ class StoreMetrics:
     def read_amplification(self) -> float:
         return (self.bytes_read + self.probe_bytes_read) / self.bytes_needed \
             if self.bytes_needed else 0.0
+
+
+@dataclasses.dataclass
+class _ProbeRead:
+    """A probe section in flight (PrefixStore.start_probe)."""
+
+    entry: LayerEntry
+    node: object
+    handle: object
+
+
+@dataclasses.dataclass
+class _ChunkRead:
+    """Chunk reads of one layer file in flight (PrefixStore._start_chunks): the ids asked
+    for per kind, and, when anything is read, the reads sorted by offset."""
+
+    entry: LayerEntry
+    node: object
+    ids_of: dict
+    kinds: list = dataclasses.field(default_factory=list)   # per chunk read, in asked order
+    all_ids: np.ndarray | None = None
+    order: np.ndarray | None = None                         # j-th read by offset: its asked index
+    assemble: object = None                                 # runs -> chunk tensors
+    nbytes: int = 0
+    handle: object = None
+
+
+@dataclasses.dataclass
+class _KVLoad:
+    """A load through the tiers in flight (PrefixStore.start_kv_chunks)."""
+
+    entry: LayerEntry
+    served: dict
+    out: dict = dataclasses.field(default_factory=dict)     # kind -> chunks, asked order
+    misses: dict = dataclasses.field(default_factory=dict)  # kind -> [(slot, id, ratio)]
+    read: _ChunkRead | None = None
 
 
 class PrefixStore:
@@ -333,33 +373,41 @@ class PrefixStore:
         """The probe heads' keys for every token of the node, float32, physical order."""
         return self.finish_probe(self.start_probe(entry, node))
 
-    def start_probe(self, entry: LayerEntry, node=None):
+    def start_probe(self, entry: LayerEntry, node=None) -> "_ProbeRead":
         """Start reading the probe section (on the reader threads); finish_probe() waits,
         checks and decodes it. Lets a caller read the next layer's probe while it computes."""
         lay = entry.layout
-        try:
-            handle = self.reader.submit(entry.path, [(0, lay.probe_stride)],
-                                        [(lay.probe_bytes, int(entry.crcs[0]))])
-        except FileNotFoundError as exc:
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
-        return entry, node, handle
+        handle = self._submit(entry, node, [(0, lay.probe_stride)],
+                              [(lay.probe_bytes, int(entry.crcs[0]))])
+        return _ProbeRead(entry, node, handle)
 
-    def finish_probe(self, pending) -> torch.Tensor:
-        from disk_layout.io import ChecksumMismatch
-
-        entry, node, handle = pending
-        lay = entry.layout
-        try:
-            (run,) = self.reader.wait(handle)
-        except ChecksumMismatch:
-            raise CorruptNode(self._node(node, entry),
-                              f"probe keys of layer {entry.layer}: CRC mismatch") from None
-        except (ShortRead, FileNotFoundError) as exc:
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+    def finish_probe(self, pending: "_ProbeRead") -> torch.Tensor:
+        entry, lay = pending.entry, pending.entry.layout
+        (run,) = self._wait(entry, pending.node, pending.handle,
+                            lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
         self.metrics.probe_bytes_read += lay.probe_stride
         buf = memoryview(run.data.numpy())
         return decode_probe(buf[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
+
+    def _submit(self, entry: LayerEntry, node, extents, checks):
+        """Start reads of `entry`'s file; a missing file raises CorruptNode."""
+        try:
+            return self.reader.submit(entry.path, extents, checks)
+        except FileNotFoundError as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+
+    def _wait(self, entry: LayerEntry, node, handle, describe):
+        """The runs of a _submit(), read and CRC-checked; a mismatch (described by
+        describe(extent index)), a short file or a missing one raises CorruptNode."""
+        from disk_layout.io import ChecksumMismatch
+
+        try:
+            return self.reader.wait(handle)
+        except ChecksumMismatch as exc:
+            raise CorruptNode(self._node(node, entry), describe(exc.index)) from None
+        except (ShortRead, FileNotFoundError) as exc:
+            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
         """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each.
@@ -372,71 +420,55 @@ class PrefixStore:
     def _read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None
                      ) -> tuple[list[torch.Tensor], int]:
         """read_chunks() and the bytes read from disk for them (padding included)."""
-        chunks, nbytes = self._read_chunk_sets(entry, {kind: chunk_ids}, node)
+        chunks, nbytes = self._finish_chunks(self._start_chunks(entry, {kind: chunk_ids}, node))
         return chunks[kind], nbytes
 
-    def _read_chunk_sets(self, entry: LayerEntry, wanted: dict, node=None
-                         ) -> tuple[dict[str, list[torch.Tensor]], int]:
-        """Chunks of several kinds ({"k": ids, "v": ids}) of one layer file, all in flight
-        together (one round trip to the disk, not one per kind); bytes read, padding
-        included."""
-        return self._finish_chunk_sets(self._start_chunk_sets(entry, wanted, node))
-
-    def _start_chunk_sets(self, entry: LayerEntry, wanted: dict, node=None):
-        """Submit the reads of _read_chunk_sets(); _finish_chunk_sets() waits for them."""
+    def _start_chunks(self, entry: LayerEntry, wanted: dict, node=None) -> "_ChunkRead":
+        """Submit reads of chunks of several kinds ({"k": ids, "v": ids}) of one layer file,
+        all in flight together (one round trip to the disk, not one per kind);
+        _finish_chunks() waits for them."""
         lay = entry.layout
-        kinds, ids_of = [], {}
-        for kind, chunk_ids in wanted.items():
-            ids = np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
+        ids_of = {kind: np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
+                  for kind, chunk_ids in wanted.items()}
+        for ids in ids_of.values():
             if len(ids) and (ids.min() < 0 or ids.max() >= lay.n_chunks):
                 raise IndexError(f"chunk ids outside 0..{lay.n_chunks - 1}")
-            ids_of[kind] = ids
-            kinds += [kind] * len(ids)
-        if not kinds:
-            return entry, node, ids_of, None
-        all_ids = np.concatenate([ids_of[k] for k in wanted])
-        step = lay.chunk_stride
-        offs = np.concatenate([lay.chunk_offset(k, 0) + ids_of[k] * step for k in wanted])
-        first_crc = {k: 1 + (0 if k == "k" else lay.n_chunks) for k in wanted}
-        crcs = np.concatenate([entry.crcs[first_crc[k] + ids_of[k]] for k in wanted])
-        order = np.argsort(offs, kind="stable")
-        plan = (self._plan_packed if lay.packed else self._plan_aligned)(
-            entry, offs[order], crcs[order])
-        extents, checks, _, _ = plan
-        try:
-            handle = self.reader.submit(entry.path, extents, checks)
-        except FileNotFoundError as exc:
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
-        return entry, node, ids_of, (kinds, all_ids, order, plan, handle)
+        read = _ChunkRead(entry, node, ids_of)
+        if not any(len(ids) for ids in ids_of.values()):
+            return read
+        read.kinds = [kind for kind, ids in ids_of.items() for _ in ids]
+        read.all_ids = np.concatenate(list(ids_of.values()))
+        offs = np.concatenate([lay.chunk_offset(k, 0) + ids * lay.chunk_stride
+                               for k, ids in ids_of.items()])
+        crcs = np.concatenate([entry.chunk_crcs(k, ids) for k, ids in ids_of.items()])
+        read.order = np.argsort(offs, kind="stable")
+        plan = self._plan_packed if lay.packed else self._plan_aligned
+        extents, checks, read.assemble, read.nbytes = plan(entry, offs[read.order],
+                                                           crcs[read.order])
+        read.handle = self._submit(entry, node, extents, checks)
+        return read
 
-    def _finish_chunk_sets(self, pending) -> tuple[dict[str, list[torch.Tensor]], int]:
-        from disk_layout.io import ChecksumMismatch
+    def _finish_chunks(self, read: "_ChunkRead") -> tuple[dict[str, list[torch.Tensor]], int]:
+        if read.handle is None:
+            return {kind: [] for kind in read.ids_of}, 0
 
-        entry, node, ids_of, reading = pending
-        if reading is None:
-            return {kind: [] for kind in ids_of}, 0
-        kinds, all_ids, order, (_, _, assemble, nbytes), handle = reading
-        try:
-            runs = self.reader.wait(handle)
-        except ChecksumMismatch as exc:
+        def describe(j: int) -> str:
             self.metrics.corruptions += 1
-            i = int(order[exc.index])
-            raise CorruptNode(self._node(node, entry),
-                              f"layer {entry.layer} {kinds[i].upper()} chunk {int(all_ids[i])}: "
-                              "CRC mismatch") from None
-        except (ShortRead, FileNotFoundError) as exc:
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
-        chunks = assemble(runs)
-        unsorted: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
-        for j, i in enumerate(order.tolist()):
-            unsorted[i] = chunks[j]
+            i = int(read.order[j])
+            return (f"layer {read.entry.layer} {read.kinds[i].upper()} chunk "
+                    f"{int(read.all_ids[i])}: CRC mismatch")
+
+        runs = self._wait(read.entry, read.node, read.handle, describe)
+        unsorted: list[torch.Tensor] = [None] * len(read.order)  # type: ignore[list-item]
+        for i, chunk in zip(read.order.tolist(), read.assemble(runs)):
+            unsorted[i] = chunk
         out, at = {}, 0
-        for kind, ids in ids_of.items():
+        for kind, ids in read.ids_of.items():
             out[kind] = unsorted[at:at + len(ids)]
             at += len(ids)
-        self.metrics.chunks_read += len(all_ids)
-        self.metrics.bytes_read += nbytes
-        return out, nbytes
+        self.metrics.chunks_read += len(read.all_ids)
+        self.metrics.bytes_read += read.nbytes
+        return out, read.nbytes
 
     def _plan_aligned(self, entry: LayerEntry, offs, crcs):
         """Page-aligned layout: every chunk is whole pages, runs of them are single reads.
@@ -513,46 +545,41 @@ class PrefixStore:
         each): what the tiers miss is read from disk in one round trip."""
         return self.finish_kv_chunks(self.start_kv_chunks(entry, wanted, node, ratios))
 
-    def start_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None):
+    def start_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None
+                        ) -> "_KVLoad":
         """load_kv_chunks() in two halves: this one serves the tier hits and submits the
         disk reads; finish_kv_chunks() waits for them (the caller computes meanwhile).
         Every start must be finished, even when the caller gives up on the result."""
-        out: dict[str, list[torch.Tensor]] = {}
-        served = {"gpu": 0, "cpu": 0, "disk": 0, "disk_chunks": 0}
-        missing: dict[str, list[int]] = {}
-        ratio_of: dict[str, list[float]] = {}
-        ids_wanted: dict[str, list[int]] = {}
+        load = _KVLoad(entry, {"gpu": 0, "cpu": 0, "disk": 0, "disk_chunks": 0})
         for kind, chunk_ids in wanted.items():
-            ids = ids_wanted[kind] = [int(i) for i in chunk_ids]
+            ids = [int(i) for i in chunk_ids]
             r = [0.0] * len(ids) if ratios is None else [float(x) for x in ratios[kind]]
-            ratio_of[kind] = r
             got: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
-            miss = []
-            for j, i in enumerate(ids):
-                hit = self.cache.get(self._key(entry, kind, i), r[j]) if self.cache else None
+            for j, (i, ratio) in enumerate(zip(ids, r)):
+                hit = self.cache.get(self._key(entry, kind, i), ratio) if self.cache else None
                 if hit is None:
-                    miss.append(j)
+                    load.misses.setdefault(kind, []).append((j, i, ratio))
                 else:
-                    tier, tensor = hit
-                    got[j] = tensor
-                    served[tier] += entry.layout.chunk_bytes
-            out[kind], missing[kind] = got, miss
-        ids_of = {k: [ids_wanted[k][j] for j in m] for k, m in missing.items() if m}
-        reading = self._start_chunk_sets(entry, ids_of, node) if ids_of else None
-        return entry, out, served, missing, ids_of, ratio_of, reading
+                    tier, got[j] = hit
+                    load.served[tier] += entry.layout.chunk_bytes
+            load.out[kind] = got
+        if load.misses:
+            load.read = self._start_chunks(
+                entry, {k: [i for _, i, _ in m] for k, m in load.misses.items()}, node)
+        return load
 
-    def finish_kv_chunks(self, pending) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
-        entry, out, served, missing, ids_of, ratio_of, reading = pending
-        if reading is not None:
-            fresh, nbytes = self._finish_chunk_sets(reading)
-            served["disk"] += nbytes
-            served["disk_chunks"] = sum(len(m) for m in missing.values())
-            for kind, ids in ids_of.items():
-                for j, i, tensor in zip(missing[kind], ids, fresh[kind]):
-                    out[kind][j] = tensor
+    def finish_kv_chunks(self, load: "_KVLoad"
+                         ) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:
+        if load.read is not None:
+            fresh, nbytes = self._finish_chunks(load.read)
+            load.served["disk"] += nbytes
+            load.served["disk_chunks"] = sum(len(m) for m in load.misses.values())
+            for kind, misses in load.misses.items():
+                for (j, i, ratio), tensor in zip(misses, fresh[kind]):
+                    load.out[kind][j] = tensor
                     if self.cache is not None:
-                        self.cache.admit(self._key(entry, kind, i), tensor, ratio_of[kind][j])
-        return out, served
+                        self.cache.admit(self._key(load.entry, kind, i), tensor, ratio)
+        return load.out, load.served
 
     @staticmethod
     def _key(entry: LayerEntry, kind: str, index: int) -> tuple:
