@@ -379,6 +379,8 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
             RunConfig("random", "random", x),
             RunConfig("sink_recent", "sink_recent", x),
         ]
+        # Cheaper probing on CPU: odd layers reuse the even layer's scores.
+        runs.append(RunConfig("impress (probe every 2nd layer)", "impress", x, probe_every=2))
         if x == 0.25:   # variants at the paper's retention only (time)
             runs += [
                 RunConfig("impress-adaptive", "impress", x, threshold="adaptive"),
@@ -393,6 +395,7 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
                 # Cheaper probing on CPU: only the request's last queries score the prefix.
                 RunConfig("impress (probe last 32)", "impress", x, probe_queries=32),
                 RunConfig("impress (probe last 16)", "impress", x, probe_queries=16),
+                RunConfig("impress (probe stride 2)", "impress", x, probe_stride=2),
             ]
     return runs
 

@@ -65,7 +65,7 @@ class Sizes:
 
 FULL = Sizes(WorkloadConfig(n_prefixes=3, prefix_tokens=2048, queries_per_prefix=3),
              WorkloadConfig(n_prefixes=2, prefix_tokens=1024, queries_per_prefix=2),
-             (1024, 2048, 4096), 2, (2, 4, 8),
+             (1024, 2048, 4096, 8128), 2, (2, 4, 8),
              WorkloadConfig(n_prefixes=2, prefix_tokens=4096, real_tokens=512,
                             queries_per_prefix=2, mode="padded"))
 QUICK = Sizes(WorkloadConfig(n_prefixes=2, prefix_tokens=512, queries_per_prefix=2),
@@ -329,8 +329,8 @@ def parse_args(argv):
                    help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--scaling-lengths",
                    help="comma-separated prefix lengths of the scaling part (default "
-                        "1024,2048,4096; quick 256,512); 8064 fits smollm2 but its dense "
-                        "8k x 8k prefill masks take about 10 minutes per request on a CPU")
+                        "1024,2048,4096,8128: the longest that leaves smollm2's 8,192 "
+                        "positions room for a 64-token query; quick 256,512)")
     p.add_argument("--rerun-accuracy", action="store_true",
                    help="remake results/accuracy.json even if present")
     p.add_argument("--sparsity-model", default="opt-125m",

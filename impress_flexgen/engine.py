@@ -33,7 +33,7 @@ from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
 from policies import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
-from policies.base import resolve_probe_heads, tokens_of_chunks
+from policies.base import ProbeKeys, resolve_probe_heads, tokens_of_chunks
 
 from .errors import UserError
 from .models.base import dense
@@ -322,8 +322,8 @@ class Engine:
         try:
             hidden = self._embed(new_ids, total, stats)
             for layer in range(self.math.n_layers):
-                # The next layer's probe keys (or, for a policy that loads everything, its
-                # K and V) are read while this layer computes.
+                # The next layer's probe keys, and the chunks it is expected to load, are
+                # read while this layer computes.
                 ahead.start(layer + 1)
                 kept_kv, kv = self._layer(layer, hidden, positions, segments_nodes, ahead,
                                           stats)
@@ -347,8 +347,9 @@ class Engine:
         prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
                                                           ahead, stats)
         t0 = time.perf_counter()
-        keys = torch.cat([prefix_k, k_new[0]], dim=1)
-        values = torch.cat([prefix_v, v_new[0]], dim=1)
+        # One pass joins the loaded pieces and converts them to the compute dtype.
+        keys = torch.cat([*prefix_k, k_new[0]], dim=1)
+        values = torch.cat([*prefix_v, v_new[0]], dim=1)
         s = k_new.shape[2]
         new_mask = (positions[0] >= self._n_pad)[None].expand(self.math.n_kv_head, s)
         mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
@@ -360,12 +361,12 @@ class Engine:
         return [keys, values, mask], (k_new[0], v_new[0])
 
     def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats):
-        """The policy's choice of this layer's stored prefix KV, loaded: (KV, m, d) K and V
-        and a (KV, m) mask of which tokens each KV head attends."""
-        kv, d = self.math.n_kv_head, self.math.head_dim
-        empty = torch.zeros(kv, 0, d, dtype=self.dtype, device=self.device)
+        """The policy's choice of this layer's stored prefix KV, loaded: K and V as lists
+        of (KV, m_i, d) pieces on the compute device (to be concatenated) and a (KV, m)
+        mask of which tokens each KV head attends."""
         if not segments_nodes:
-            return empty, empty, torch.zeros(kv, 0, dtype=torch.bool, device=self.device)
+            return [], [], torch.zeros(self.math.n_kv_head, 0, dtype=torch.bool,
+                                       device=self.device)
         loader = ahead.loader(layer)
         segments = loader.segments
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
@@ -398,29 +399,36 @@ class Engine:
             if len(ids) == 0:
                 continue
             rows, logical = tokens_of_chunks(seg, ids)
-            k = torch.cat(loaded[si]["k"], dim=1)
-            v = torch.cat(loaded[si]["v"], dim=1)
-            rows_t = torch.from_numpy(rows).to(k.device)
-            ks.append(k[:, rows_t].to(self.device, self.dtype))
-            vs.append(v[:, rows_t].to(self.device, self.dtype))
+            ks += self._rows(loaded[si]["k"], rows)
+            vs += self._rows(loaded[si]["v"], rows)
             if plan.attend[si] is None:
                 mask = np.ones((self.math.n_kv_head, len(rows)), dtype=bool)
             else:
                 mask = np.asarray(plan.attend[si])[:, logical]
             if self._n_pad:
                 mask = mask & (seg.start + logical >= self._n_pad)[None]
-            masks.append(torch.from_numpy(np.ascontiguousarray(mask)).to(self.device))
+            masks.append(mask)
             attended += int(mask.any(axis=0).sum())
             if self.store is not None:
                 self.store.record_selection(
                     seg.entry, None if plan.scores is None else plan.scores[si],
                     None if plan.selected is None else plan.selected[si], ids)
         stats.bytes_needed += attended * self.kv_bytes_per_token_layer
-        kv, d = self.math.n_kv_head, self.math.head_dim
-        if not ks:
-            empty = torch.zeros(kv, 0, d, dtype=self.dtype, device=self.device)
-            return empty, empty, torch.zeros(kv, 0, dtype=torch.bool, device=self.device)
-        return torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(masks, 1)
+        mask = np.concatenate(masks, axis=1) if masks else \
+            np.zeros((self.math.n_kv_head, 0), dtype=bool)
+        return ks, vs, torch.from_numpy(mask).to(self.device)
+
+    def _rows(self, chunks: list[torch.Tensor], rows: np.ndarray) -> list[torch.Tensor]:
+        """Loaded chunks, concatenated, keep the rows holding prefix tokens: as pieces on
+        the compute device. On a CPU, chunks wholly inside the prefix stay separate: the
+        layer's one cat() joins and converts them."""
+        whole = len(rows) == sum(c.shape[1] for c in chunks)
+        if whole and self.device.type == "cpu" and all(c.device.type == "cpu" for c in chunks):
+            return chunks
+        joined = torch.cat(chunks, dim=1)
+        if not whole:
+            joined = joined[:, torch.from_numpy(rows).to(joined.device)]
+        return [joined.to(self.device, self.dtype)]
 
     def _full_prefix_context(self, segments_nodes, new_kv, stats):
         """Decode over the whole prefix: reload every chunk (after time to first token)."""
@@ -526,20 +534,37 @@ class Engine:
 class _LayerLoader:
     """One layer's services to its policy: the probe keys and chunk loads through the tiers
     and the disk, each chunk loaded once however often it is asked for, with the counters
-    of the request's stats."""
+    of the request's stats. Chunks read ahead (prefetch) are taken instead of read again."""
 
     def __init__(self, store: PrefixStore, layer: int, segments, ahead: "_ReadAhead",
                  stats: RequestStats):
         self.store, self.layer, self.segments = store, layer, segments
         self.ahead, self.stats = ahead, stats
         self.loaded: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.early: tuple[list, list] | None = None   # (wanted, handles) started ahead
+        self.prefetching: list = []                      # [(segment, read)] in flight
+        self.prefetched: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
 
-    def start_early(self, wanted: list[tuple[int, dict]]) -> None:
-        """start_all() before the policy has planned (it is known to load `wanted`)."""
-        self.early = (_as_key(wanted), self.start_all(wanted))
+    def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
+        """Start disk reads of chunks the policy is expected to load: [(segment, {kind:
+        ids})]. Tiers are consulted when the policy asks (start_all), as without it."""
+        for si, kinds in wanted:
+            seg = self.segments[si]
+            self.prefetching.append((si, self.store.start_prefetch(seg.entry, kinds, seg.node)))
 
-    def read_probe(self) -> torch.Tensor:
+    def _collect(self) -> None:
+        """Finish the prefetch; its bytes count as read whether or not they are used."""
+        pending, self.prefetching = self.prefetching, []
+        for n, (si, read) in enumerate(pending):
+            try:
+                chunks, nbytes = self.store.finish_prefetch(read)
+            except BaseException:
+                self._drain_prefetch(pending[n + 1:])
+                raise
+            self.prefetched[si] = chunks
+            self.stats.bytes_read["disk"] += nbytes
+            self.stats.chunks_read += sum(len(c) for c in chunks.values())
+
+    def read_probe(self) -> ProbeKeys:
         t0 = time.perf_counter()
         probe = self.ahead.result(self.layer)
         self.stats.probe_bytes += sum(seg.entry.layout.probe_stride for seg in self.segments)
@@ -550,17 +575,12 @@ class _LayerLoader:
         return self.finish_all(self.start_all([(si, {kind: ids})]))[si][kind]
 
     def start_all(self, wanted: list[tuple[int, dict]]) -> list:
-        """Submit [(segment, {kind: chunk ids})]: tier hits are served now, disk reads go
-        out; finish_all() collects them."""
-        if self.early is not None:
-            key, handles = self.early
-            self.early = None
-            if key == _as_key(wanted):
-                return handles
-            self._drain(handles)
+        """Submit [(segment, {kind: chunk ids})]: tier hits and prefetched chunks are served
+        now, disk reads go out; finish_all() collects them."""
         t0 = time.perf_counter()
         handles = []
         try:
+            self._collect()
             for si, kinds in wanted:
                 entry = self.segments[si].entry
                 missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
@@ -572,7 +592,7 @@ class _LayerLoader:
                     ratios = {kind: self.store.chunk_ratios(entry, ids)
                               for kind, ids in missing.items()}
                     reading = self.store.start_kv_chunks(entry, missing, self.segments[si].node,
-                                                         ratios)
+                                                         ratios, ahead=self.prefetched.get(si))
                 handles.append((si, kinds, missing, reading))
         except BaseException:
             self._drain(handles)
@@ -606,9 +626,8 @@ class _LayerLoader:
         return out
 
     def close(self) -> None:
-        if self.early is not None:
-            self._drain(self.early[1])
-            self.early = None
+        self._drain_prefetch(self.prefetching)
+        self.prefetching = []
 
     def _drain(self, handles) -> None:
         """Wait for reads nobody will use (their buffers must not be written later)."""
@@ -619,10 +638,12 @@ class _LayerLoader:
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
 
-
-def _as_key(wanted: list[tuple[int, dict]]) -> list:
-    return [(si, {kind: [int(i) for i in ids] for kind, ids in kinds.items()})
-            for si, kinds in wanted]
+    def _drain_prefetch(self, pending) -> None:
+        for _, read in pending:
+            try:
+                self.store.finish_prefetch(read)
+            except Exception:  # noqa: BLE001 - nobody asked for these chunks
+                pass
 
 
 class _ReadAhead:
@@ -631,9 +652,12 @@ class _ReadAhead:
     The probe keys of layer l+1 do not depend on layer l's result, so their read hides
     behind layer l's compute; only the wait that is left shows as probe time. A policy
     that loads every chunk (`loads_everything`: full) has its next layer's K and V read
-    ahead the same way. Decoding stays on the calling thread (a second thread doing tensor work
-    would fight the compute threads for the cores). A read that fails (CRC, missing file)
-    raises when its layer asks for it, as a direct read would.
+    ahead the same way; one that predicts its selection (`prefetch_last_selection`:
+    impress) has the chunks the last query selected on that (node, layer) read ahead, and
+    only what the new selection adds is read after it. Decoding stays on the calling thread
+    (a second thread doing tensor work would fight the compute threads for the cores). A
+    read that fails (CRC, missing file) raises when its layer asks for it, as a direct read
+    would.
     """
 
     def __init__(self, engine: "Engine", segments_nodes, stats: RequestStats):
@@ -642,10 +666,12 @@ class _ReadAhead:
         self.segments_nodes = segments_nodes
         self.stats = stats
         stored = bool(segments_nodes) and engine.store is not None
+        self.policy = engine.policy
         self.probes_on = stored and engine.policy.reads_probe
         self.whole_layers = stored and engine.policy.loads_everything
+        self.last_selection = stored and engine.policy.prefetch_last_selection
         self.pending: dict[int, list] = {}
-        self.ready: dict[int, torch.Tensor | BaseException] = {}
+        self.ready: dict[int, ProbeKeys | BaseException] = {}
         self.loaders: dict[int, _LayerLoader] = {}
 
     def loader(self, layer: int) -> "_LayerLoader":
@@ -660,20 +686,23 @@ class _ReadAhead:
     def start(self, layer: int) -> None:
         if layer >= self.n_layers:
             return
-        if self.whole_layers and layer not in self.loaders:
+        if self.probes_on and self.policy.probes_layer(layer) and layer not in self.pending:
+            reads = []
+            try:
+                for node, _ in self.segments_nodes:
+                    reads.append(self.store.start_probe(self.store.entry(node, layer), node))
+            except BaseException:
+                self._drain(reads)   # the request fails (a missing file): nothing in flight
+                raise
+            self.pending[layer] = reads
+        if (self.whole_layers or self.last_selection) and layer not in self.loaders:
             loader = self.loaders[layer] = self.loader(layer)
-            everything = [seg.all_chunks() for seg in loader.segments]
-            loader.start_early([(si, {"k": ids, "v": ids}) for si, ids in enumerate(everything)])
-        if not self.probes_on or layer in self.pending:
-            return
-        reads = []
-        try:
-            for node, _ in self.segments_nodes:
-                reads.append(self.store.start_probe(self.store.entry(node, layer), node))
-        except BaseException:
-            self._drain(reads)   # the request fails (a missing file): nothing left in flight
-            raise
-        self.pending[layer] = reads
+            if self.whole_layers:
+                likely = [seg.all_chunks() for seg in loader.segments]
+            else:
+                likely = [self.store.last_selected_chunks(seg.entry) for seg in loader.segments]
+            loader.prefetch([(si, {"k": ids, "v": ids})
+                             for si, ids in enumerate(likely) if len(ids)])
 
     def decode_probe(self, layer: int) -> None:
         """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
@@ -685,8 +714,8 @@ class _ReadAhead:
         except Exception as exc:  # noqa: BLE001 - raised by result(), if it is asked for
             self.ready[layer] = exc
 
-    def result(self, layer: int) -> torch.Tensor:
-        """(n_probe_kv, n, d) float32 probe keys of `layer`, logical token order."""
+    def result(self, layer: int) -> ProbeKeys:
+        """The probe keys of `layer` (stored order, with their logical positions)."""
         if not self.probes_on:
             raise RuntimeError("the policy reads no probe")
         if layer in self.ready:
@@ -696,21 +725,29 @@ class _ReadAhead:
             return got
         return self._finish(layer)
 
-    def _finish(self, layer: int) -> torch.Tensor:
+    def _finish(self, layer: int) -> ProbeKeys:
         self.start(layer)
         reads = self.pending.pop(layer)
-        parts = []
+        parts, columns, width = [], [], 0   # columns: logical position -> column
         try:
             for (_, used), pending in zip(self.segments_nodes, reads):
                 entry = pending.entry
                 probe = self.store.finish_probe(pending)
-                if entry.mapping is not None:       # physical -> logical token order
-                    probe = probe[:, torch.from_numpy(entry.physical_of)]
-                parts.append(probe[:, :used])
+                # Keys stay in stored order (scoring maps its scores back); only an
+                # unreordered node can drop its unused tail by slicing.
+                if entry.mapping is None:
+                    probe = probe[:, :used]
+                    columns.append(np.arange(width, width + used))
+                else:
+                    columns.append(entry.physical_of[:used] + width)
+                parts.append(probe)
+                width += probe.shape[1]
         except BaseException:
             self._drain(reads[len(parts) + 1:])
             raise
-        return torch.cat(parts, dim=1)
+        keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        reordered = any(pending.entry.mapping is not None for pending in reads)
+        return ProbeKeys(keys, np.concatenate(columns) if reordered else None)
 
     def _drain(self, reads) -> None:
         for pending in reads:

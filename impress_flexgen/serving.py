@@ -5,11 +5,13 @@ row of a benchmark and a run of the product are measured the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -40,6 +42,9 @@ class RunConfig:
     reorder_by: str = "importance"       # or "semantic" (StoreConfig)
     tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
     probe_queries: int = 0               # see ServingConfig
+    probe_stride: int = 1                # see ServingConfig
+    probe_every: int = 1                 # see ServingConfig
+    prefetch: bool = False               # see ServingConfig
 
     def store_options(self) -> dict:
         """The knobs of this row that shape its store (open_store keyword arguments)."""
@@ -51,7 +56,10 @@ class RunConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
                              threshold=self.threshold, threshold_value=self.threshold_value,
                              adaptive_alpha=self.adaptive_alpha, probe_heads=self.probe_heads,
-                             probe_queries=self.probe_queries, decode_over=self.decode_over)
+                             probe_queries=self.probe_queries,
+                             probe_stride=self.probe_stride, probe_every=self.probe_every,
+                             prefetch=self.prefetch,
+                             decode_over=self.decode_over)
 
 
 def kv_bytes_per_token(runtime: Runtime) -> int:
@@ -66,27 +74,32 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((logp.exp() * (logp - logq)).sum(-1).mean())
 
 
-def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
-                 store_dir: Path | None = None, store_root: Path | None = None,
-                 reference: dict | None = None, max_new_tokens: int = 1,
-                 disk_capacity_bytes: int | None = None, reorder_interval: int | None = None,
-                 progress=None, on_response=None) -> dict:
-    """Serve the workload with one configuration; returns a result row.
+@dataclasses.dataclass
+class Prepared:
+    """An engine over a store holding the workload's prefixes, warm-up queries served."""
 
-    Each prefix is first served once (computed and inserted, unless already stored), then
-    its warm-up queries run (their importance feeds the store). With `reorder_interval`
-    None, policies with reordering reorder once after the warm-up (a benchmark sees a
-    settled layout); otherwise the store reorders in the background every that many
-    queries. Only the measured queries count. `reference` maps query index -> full-KV
-    query logits for KL; an empty dict is filled. `store_dir` keeps the store (reused by
-    the next run); without it a temporary store under `store_root` is removed at the end.
-    """
+    engine: Engine
+    policy: object
+    store: object | None
+    reorder_s: float = 0.0
+
+
+@contextlib.contextmanager
+def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
+             store_dir: Path | None = None, store_root: Path | None = None,
+             disk_capacity_bytes: int | None = None, reorder_interval: int | None = None
+             ) -> Iterator[Prepared]:
+    """Each prefix is first served once (computed and inserted, unless already stored),
+    then its warm-up queries run (their importance feeds the store). With
+    `reorder_interval` None, policies with reordering reorder once after the warm-up (a
+    benchmark sees a settled layout); otherwise the store reorders in the background every
+    that many queries. `store_dir` keeps the store (reused by the next run); without it a
+    temporary store under `store_root` is removed at the end."""
     cfg = run.serving()
     policy = make_policy(run.policy, cfg)
     if run.tier_policy is not None:
         policy.tier_policy = run.tier_policy
     tmp = None
-    reorder_s = 0.0
     if store_dir is None:
         tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
     store = None
@@ -96,21 +109,43 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                                disk_capacity_bytes=disk_capacity_bytes,
                                reorder_interval=reorder_interval or 10**9,
                                **run.store_options())
-        engine = Engine(runtime, store, policy, tiers)
+        ready = Prepared(Engine(runtime, store, policy, tiers), policy, store)
         for p, prefix in enumerate(workload.prefixes):
-            engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
+            ready.engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
         for p, query in workload.warmup:
-            engine.serve(Request(workload.prefixes[p], query, 1, n_pad=workload.pad_of(p)))
+            ready.engine.serve(Request(workload.prefixes[p], query, 1,
+                                       n_pad=workload.pad_of(p)))
         if store is not None:
             if policy.reorder and reorder_interval is None:
                 t0 = time.perf_counter()
                 store.reorder_now()
-                reorder_s = time.perf_counter() - t0
+                ready.reorder_s = time.perf_counter() - t0
             store.cache.reset_metrics()
+        yield ready
+    finally:
+        if store is not None:
+            store.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
+                 store_dir: Path | None = None, store_root: Path | None = None,
+                 reference: dict | None = None, max_new_tokens: int = 1,
+                 disk_capacity_bytes: int | None = None, reorder_interval: int | None = None,
+                 progress=None, on_response=None) -> dict:
+    """Serve the workload with one configuration (see prepared()); returns a result row.
+
+    Only the measured queries count. `reference` maps query index -> full-KV query logits
+    for KL; an empty dict is filled.
+    """
+    with prepared(runtime, workload, run, tiers, store_dir=store_dir, store_root=store_root,
+                  disk_capacity_bytes=disk_capacity_bytes,
+                  reorder_interval=reorder_interval) as ready:
         rows, kls, top1 = [], [], []
         for qi, (p, query) in enumerate(workload.queries):
-            resp = engine.serve(Request(workload.prefixes[p], query, max_new_tokens,
-                                        n_pad=workload.pad_of(p)), query_logits=True)
+            resp = ready.engine.serve(Request(workload.prefixes[p], query, max_new_tokens,
+                                              n_pad=workload.pad_of(p)), query_logits=True)
             rows.append(resp.stats)
             if reference is not None:
                 if qi in reference:
@@ -123,16 +158,11 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                 on_response(qi, p, query, resp)
             if progress is not None:
                 progress.update(1)
-        row = summarize(run, policy, rows, kls, top1, store)
-        row["reorder_s"] = reorder_s
-        if store is not None:
-            row["space"] = store_space(store)
+        row = summarize(run, ready.policy, rows, kls, top1, ready.store)
+        row["reorder_s"] = ready.reorder_s
+        if ready.store is not None:
+            row["space"] = store_space(ready.store)
         return row
-    finally:
-        if store is not None:
-            store.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:

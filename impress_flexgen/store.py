@@ -157,10 +157,18 @@ class LayerStats:
         return cls(np.zeros(n_tokens, np.float32), np.zeros((n_chunks, chunk_size // 8), np.uint8),
                    np.zeros(n_chunks, np.uint16), np.zeros(n_chunks, np.uint8))
 
-    def reset_chunks(self) -> None:
-        self.bitmaps[:] = 0
+    def relayout(self, old_mapping: np.ndarray | None, new_mapping: np.ndarray) -> None:
+        """The node's tokens moved (a reorder): carry the last selection over to the new
+        physical order (it predicts the next one); access counts start again."""
+        c = self.bitmaps.shape[1] * 8
+        physical = np.unpackbits(self.bitmaps, axis=1).reshape(-1).astype(bool)
+        logical = physical if old_mapping is None else np.empty_like(physical)
+        if old_mapping is not None:
+            logical[old_mapping] = physical
+        per_chunk = logical[new_mapping].reshape(-1, c)
+        self.bitmaps[:] = np.packbits(per_chunk, axis=1)
+        self.ratio[:] = np.round(per_chunk.mean(axis=1) * 255).astype(np.uint8)
         self.access[:] = 0
-        self.ratio[:] = 0
 
 
 @dataclasses.dataclass
@@ -545,23 +553,47 @@ class PrefixStore:
         each): what the tiers miss is read from disk in one round trip."""
         return self.finish_kv_chunks(self.start_kv_chunks(entry, wanted, node, ratios))
 
-    def start_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None
-                        ) -> "_KVLoad":
+    def start_prefetch(self, entry: LayerEntry, wanted: dict, node=None) -> "_ChunkRead":
+        """Start reading chunks a load is expected to ask for soon ({"k": ids, "v": ids}),
+        except those a tier holds. Tiers see nothing until the load: start_kv_chunks(...,
+        ahead=finish_prefetch(...)[0]) then counts hits and misses and admits as if it had
+        read the misses itself. Every start must be finished."""
+        if self.cache is not None:
+            wanted = {kind: [int(i) for i in ids
+                             if self.cache.resident(self._key(entry, kind, int(i))) is None]
+                      for kind, ids in wanted.items()}
+        return self._start_chunks(entry, wanted, node)
+
+    def finish_prefetch(self, read: "_ChunkRead") -> tuple[dict[str, dict[int, torch.Tensor]], int]:
+        """Wait for a prefetch: ({kind: {chunk id: chunk}}, bytes read from disk)."""
+        chunks, nbytes = self._finish_chunks(read)
+        return {kind: dict(zip(read.ids_of[kind].tolist(), chunks[kind]))
+                for kind in read.ids_of}, nbytes
+
+    def start_kv_chunks(self, entry: LayerEntry, wanted: dict, node=None, ratios=None,
+                        ahead: dict | None = None) -> "_KVLoad":
         """load_kv_chunks() in two halves: this one serves the tier hits and submits the
         disk reads; finish_kv_chunks() waits for them (the caller computes meanwhile).
-        Every start must be finished, even when the caller gives up on the result."""
+        A miss found in `ahead` (prefetched: {kind: {id: chunk}}) is taken from there, not
+        read again (its bytes were counted by the prefetch). Every start must be finished,
+        even when the caller gives up on the result."""
         load = _KVLoad(entry, {"gpu": 0, "cpu": 0, "disk": 0, "disk_chunks": 0})
         for kind, chunk_ids in wanted.items():
             ids = [int(i) for i in chunk_ids]
             r = [0.0] * len(ids) if ratios is None else [float(x) for x in ratios[kind]]
             got: list[torch.Tensor] = [None] * len(ids)  # type: ignore[list-item]
+            early = (ahead or {}).get(kind, {})
             for j, (i, ratio) in enumerate(zip(ids, r)):
                 hit = self.cache.get(self._key(entry, kind, i), ratio) if self.cache else None
-                if hit is None:
-                    load.misses.setdefault(kind, []).append((j, i, ratio))
-                else:
+                if hit is not None:
                     tier, got[j] = hit
                     load.served[tier] += entry.layout.chunk_bytes
+                elif i in early:
+                    got[j] = early[i]
+                    if self.cache is not None:
+                        self.cache.admit(self._key(entry, kind, i), got[j], ratio)
+                else:
+                    load.misses.setdefault(kind, []).append((j, i, ratio))
             load.out[kind] = got
         if load.misses:
             load.read = self._start_chunks(
@@ -612,15 +644,27 @@ class PrefixStore:
             if scores is not None:
                 stats.importance += scores.astype(np.float32)
                 stats.dirty = True
-            if selected is not None:
+            node = self.tree.nodes.get(entry.node_id)
+            current = node is not None and node.layers[entry.layer] is entry
+            if selected is not None and current:   # bitmaps are in the current layout
                 c = entry.layout.chunk_size
                 phys_sel = selected if entry.mapping is None else selected[entry.mapping]
                 per_chunk = phys_sel.reshape(-1, c)
                 stats.bitmaps[:] = np.packbits(per_chunk, axis=1)
                 stats.ratio[:] = np.round(per_chunk.mean(axis=1) * 255).astype(np.uint8)
-            if chunks_read is not None:
+            if chunks_read is not None and current:
                 ids = np.asarray(list(chunks_read), dtype=np.int64)
                 stats.access[ids] = np.minimum(stats.access[ids].astype(np.int64) + 1, 65535)
+
+    def last_selected_chunks(self, entry: LayerEntry) -> np.ndarray:
+        """Physical chunks of `entry` that held tokens the last query selected (empty when
+        none has been recorded for its layout): the best guess at the next selection."""
+        with self.lock:
+            stats = self.stats.get((entry.node_id, entry.layer))
+            node = self.tree.nodes.get(entry.node_id)
+            if stats is None or node is None or node.layers[entry.layer] is not entry:
+                return np.zeros(0, dtype=np.int64)
+            return np.flatnonzero(stats.bitmaps.any(axis=1))
 
     def chunk_ratios(self, entry: LayerEntry, chunk_ids) -> np.ndarray:
         stats = self.stats.get((entry.node_id, entry.layer))
@@ -919,12 +963,12 @@ class PrefixStore:
                     continue
                 new = LayerEntry(node.id, layer, old.version + 1, str(self.data_dir / name),
                                  old.layout, order, crcs)
+                stats.relayout(old.mapping, order)
                 with self.meta.transaction():
                     self.meta.put_layer(LayerRow(node.id, layer, new.version, name, order, crcs,
                                                  stats.importance, stats.bitmaps, stats.access,
                                                  stats.ratio))
                 node.layers[layer] = new
-                stats.reset_chunks()
                 node.retired_files.append(old.path)
                 if self.cache is not None:
                     self.cache.invalidate_version(node.id, layer, old.version)

@@ -24,6 +24,9 @@ class ServingConfig:
     adaptive_alpha: float = 0.6
     probe_heads: str | tuple[int, ...] = "auto"  # see resolve_probe_heads
     probe_queries: int = 0             # probe with the last N new tokens' queries (0: all)
+    probe_stride: int = 1              # of those, every k-th (counting back from the last)
+    probe_every: int = 1               # probe every k-th layer; the others reuse its scores
+    prefetch: bool = False             # impress: read ahead the chunks the last query chose
     decode_over: str = "kept"          # decode over the kept set, or "full" prefix
     decode_budget: int = 256           # tokens attended per layer and step by decode-phase
                                        # page policies (icecache, quest, page_*)
@@ -40,6 +43,8 @@ class ServingConfig:
             raise ValueError("decode_over must be kept or full")
         if self.probe_queries < 0:
             raise ValueError("probe_queries must be 0 (all) or positive")
+        if self.probe_stride < 1 or self.probe_every < 1:
+            raise ValueError("probe_stride and probe_every must be positive")
         if self.decode_budget < 32:
             raise ValueError("decode_budget must be at least 32 tokens (two pages)")
 
@@ -108,6 +113,36 @@ class Segment:
     def all_chunks(self) -> np.ndarray:
         return np.unique(self.logical_to_chunk())
 
+    def in_chunks(self, chunk_ids: np.ndarray) -> np.ndarray:
+        """Per used logical token: does one of the physical chunks `chunk_ids` hold it?"""
+        held = np.zeros(self.entry.layout.n_chunks, dtype=bool)
+        held[np.asarray(chunk_ids, dtype=np.int64)] = True
+        return held[self.logical_to_chunk()]
+
+
+@dataclasses.dataclass
+class ProbeKeys:
+    """A layer's probe keys as read: columns in stored (physical) order, segment after
+    segment. Scoring runs over the columns as stored and maps the scores back to logical
+    positions: a (heads, n) gather of scores instead of a (heads, n, d) gather of keys."""
+
+    keys: torch.Tensor                      # (n_probe_kv, columns, d) float32
+    column_of: np.ndarray | None = None     # logical prefix position -> column; None: same
+
+    def dead_columns(self) -> np.ndarray | None:
+        """Columns holding no prefix token (past a segment's used tokens), or None."""
+        if self.column_of is None or len(self.column_of) == self.keys.shape[1]:
+            return None
+        dead = np.ones(self.keys.shape[1], dtype=bool)
+        dead[self.column_of] = False
+        return dead
+
+    def logical(self) -> torch.Tensor:
+        """(n_probe_kv, n, d) keys in logical order."""
+        if self.column_of is None:
+            return self.keys
+        return self.keys[:, torch.from_numpy(self.column_of)]
+
 
 @dataclasses.dataclass
 class LayerContext:
@@ -118,7 +153,7 @@ class LayerContext:
     config: ServingConfig
     probe_heads: tuple[int, ...]    # query heads that probe
     probe_kv_heads: tuple[int, ...] # KV heads held by the probe copy, in its order
-    read_probe: Callable[[], torch.Tensor]                       # (n_probe_kv, n, d), logical
+    read_probe: Callable[[], "ProbeKeys | torch.Tensor"]         # a tensor: (n_probe_kv, n, d), logical
     load: Callable[[str, int, np.ndarray], list[torch.Tensor]]  # kind, segment, chunk ids
     n_pad: int = 0                  # leading prefix tokens nobody attends to (padding)
 
@@ -163,12 +198,17 @@ class ServingPolicy:
     reorder = False           # background importance reordering of the store
     reads_probe = False       # plan_layer reads the probe copy (the engine prefetches it)
     loads_everything = False  # plan_layer always loads every chunk (the engine reads ahead)
+    prefetch_last_selection = False  # the engine reads ahead what the last query selected
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config
 
     def plan_layer(self, ctx: LayerContext) -> LayerPlan:
         return LayerPlan.everything(ctx.segments)
+
+    def probes_layer(self, layer: int) -> bool:
+        """Does plan_layer read the probe copy on this layer (the engine reads it ahead)?"""
+        return self.reads_probe
 
     def start_decode(self, kept, n_head: int, device):
         """A decode-phase selector built from the prefill's context (`kept[layer] = [K, V,

@@ -25,12 +25,30 @@ class Impress(ServingPolicy):
             raise ValueError(f"ablation must be one of {', '.join(ABLATIONS)}")
         self.ablation = ablation
         self.tier_policy, self.reorder = ABLATIONS[ablation]
+        self._probed = (-1, None)     # (layer, scores) of the request's last probed layer
+
+    @property
+    def prefetch_last_selection(self) -> bool:
+        # Consecutive queries on a prefix select mostly the same chunks (more so once the
+        # reorder has packed the hot ones): reading those ahead hides the load behind the
+        # previous layer's compute, at the price of the few that are not chosen again.
+        return self.config.prefetch
+
+    def probes_layer(self, layer: int) -> bool:
+        return layer % self.config.probe_every == 0
 
     def plan_layer(self, ctx: LayerContext) -> LayerPlan:
         cfg = self.config
         n = ctx.n_prefix
         k = cfg.budget(n)
-        scores = probe_scores(ctx)                      # (P, n)
+        if self.probes_layer(ctx.layer):
+            scores = probe_scores(ctx)                  # (P, n)
+            self._probed = (ctx.layer, scores)
+        else:
+            # Neighbouring layers attend alike: reuse the last probed layer's scores (by
+            # logical position; each layer maps them onto its own chunk layout).
+            layer, scores = self._probed
+            assert layer == ctx.layer - ctx.layer % cfg.probe_every and scores.shape[1] == n
         summed = scores.sum(0).numpy()
         test = cfg.threshold != "none" or cfg.granularity == "token"
         member = top_k_sets(scores, k) if test else None
@@ -49,7 +67,7 @@ class Impress(ServingPolicy):
             return LayerPlan(chunks, chunks, attend, jaccard=jaccard,
                              scores=ctx.split(summed), selected=ctx.split(keep))
         chunks = chunk_selection(ctx, summed, k)
-        selected = [np.isin(seg.logical_to_chunk(), ch) for seg, ch in zip(ctx.segments, chunks)]
+        selected = [seg.in_chunks(ch) for seg, ch in zip(ctx.segments, chunks)]
         return LayerPlan(chunks, chunks, [None] * len(chunks), jaccard=jaccard,
                          scores=ctx.split(summed), selected=selected)
 

@@ -9,40 +9,101 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import torch
 
-from .base import LayerContext, ServingConfig
+from .base import LayerContext, ProbeKeys, ServingConfig
 
 
 def probe_scores(ctx: LayerContext) -> torch.Tensor:
-    """(n_probe, n_prefix) softmax column sums of each probe head over the prefix."""
-    keys = ctx.read_probe()                                   # (n_probe_kv, n, d)
+    """(n_probe, n_prefix) softmax column sums of each probe head over the prefix.
+
+    Heads sharing a KV head are scored in one product against its keys, without copying
+    the keys per head (on a CPU this product is the cost of probing); columns are scored
+    in their stored order and the scores mapped to logical positions afterwards.
+    """
+    probe = ctx.read_probe()
+    if isinstance(probe, torch.Tensor):
+        probe = ProbeKeys(probe)
+    keys = probe.keys                                         # (n_probe_kv, columns, d)
     d = keys.shape[-1]
-    kv_of = [ctx.probe_kv_heads.index(h // ctx.group) for h in ctx.probe_heads]
-    k_prefix = keys[kv_of]                                    # (P, n, d)
-    q = ctx.q[list(ctx.probe_heads)]                          # (P, s, d)
-    k_new = ctx.k_new[[h // ctx.group for h in ctx.probe_heads]]
-    s = k_new.shape[1]
-    last = ctx.config.probe_queries
-    if 0 < last < s:
-        # Only the last queries probe: on CPU scoring costs as much as one full attention
-        # product, and the end of a request is what the next tokens follow.
-        q = q[:, -last:]
+    s = ctx.k_new.shape[1]
+    # Which new tokens' queries probe (all by default). On a CPU scoring costs about one
+    # full attention product, so fewer can be asked for: the last N (the end of a request
+    # is what the next tokens follow) and/or every k-th of them.
+    rows = _probe_rows(s, ctx.config.probe_queries, ctx.config.probe_stride)
+    q = ctx.q if rows is None else ctx.q[:, rows]
     q = q * (1.0 / math.sqrt(d))
-    logits_prefix = q @ k_prefix.transpose(1, 2)              # (P, s', n)
-    if ctx.n_pad:
-        logits_prefix[..., : ctx.n_pad] = float("-inf")     # pad tokens: never important
-    causal = torch.ones(q.shape[1], s, dtype=torch.bool).tril(diagonal=s - q.shape[1])
-    logits_new = (q @ k_new.transpose(1, 2)).masked_fill_(~causal, float("-inf"))
-    # The new tokens also attend to each other: normalise over everything they see. Done
-    # in place on the prefix part (no concatenated copy): this runs on every layer.
-    peak = torch.maximum(logits_prefix.amax(-1, keepdim=True), logits_new.amax(-1, keepdim=True))
-    probs = logits_prefix.sub_(peak).exp_()
-    total = probs.sum(-1, keepdim=True) + (logits_new - peak).exp().sum(-1, keepdim=True)
-    return probs.div_(total).sum(dim=1)
+    column_mask = _column_mask(probe, ctx.n_pad)              # (columns,) additive, or None
+    causal = _causal_mask(s, ctx.config.probe_queries, ctx.config.probe_stride)  # (s', s)
+
+    # Probe heads by the probe KV head they read: one batch when every group is the same
+    # size (the default), else one batch per group.
+    by_kv: dict[int, list[int]] = {}
+    for i, h in enumerate(ctx.probe_heads):
+        by_kv.setdefault(ctx.probe_kv_heads.index(h // ctx.group), []).append(i)
+    groups = list(by_kv.items())
+    batches = [groups] if len({len(v) for _, v in groups}) == 1 else [[g] for g in groups]
+    out = torch.empty(len(ctx.probe_heads), keys.shape[1])
+    for batch in batches:
+        kv = [j for j, _ in batch]
+        rows = [i for _, heads in batch for i in heads]
+        g, b, sq = len(batch[0][1]), len(batch), q.shape[1]
+        qb = q[[ctx.probe_heads[i] for i in rows]].reshape(b, g * sq, d)
+        kb = keys if kv == list(range(keys.shape[0])) else keys[kv]
+        kn = ctx.k_new[[ctx.probe_kv_heads[j] for j in kv]]
+        logits = torch.bmm(qb, kb.transpose(1, 2))                       # (b, g*s', columns)
+        if column_mask is not None:
+            logits += column_mask
+        logits_new = torch.bmm(qb, kn.transpose(1, 2)).view(b, g, sq, s).add_(causal)
+        logits_new = logits_new.view(b, g * sq, s)
+        # The new tokens also attend to each other: normalise over everything they see,
+        # in place on the prefix part (this runs on every layer).
+        peak = torch.maximum(logits.amax(-1, keepdim=True), logits_new.amax(-1, keepdim=True))
+        probs = logits.sub_(peak).exp_()
+        total = probs.sum(-1) + logits_new.sub_(peak).exp_().sum(-1)       # (b, g*s')
+        # Column sums of the normalised rows: one (1, s') x (s', columns) product per head.
+        weights = total.reciprocal_().view(b * g, 1, sq)
+        out[rows] = torch.bmm(weights, probs.view(b * g, sq, -1)).view(b * g, -1)
+    if probe.column_of is not None:
+        out = out[:, torch.from_numpy(probe.column_of)]
+    return out
+
+
+def _column_mask(probe: ProbeKeys, n_pad: int) -> torch.Tensor | None:
+    """-inf on columns that are padding (never important) or hold no prefix token."""
+    dead = probe.dead_columns()
+    if not n_pad and dead is None:
+        return None
+    mask = torch.zeros(probe.keys.shape[1])
+    if dead is not None:
+        mask[torch.from_numpy(dead)] = float("-inf")
+    if n_pad:
+        pads = slice(0, n_pad) if probe.column_of is None else \
+            torch.from_numpy(probe.column_of[:n_pad])
+        mask[pads] = float("-inf")
+    return mask
+
+
+def _probe_rows(s: int, last: int, stride: int) -> slice | None:
+    """The new tokens (of s) whose queries probe: the last `last` (0: all), every
+    `stride`-th of them counting back from the last token; None: all s."""
+    first = s - last if 0 < last < s else 0
+    if first == 0 and stride == 1:
+        return None
+    return slice(first + (s - 1 - first) % stride, s, stride)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(s: int, last: int, stride: int) -> torch.Tensor:
+    """(probing queries, s) additive mask: each probing new token sees those before it."""
+    rows = _probe_rows(s, last, stride) or slice(0, s)
+    position = torch.arange(s)[rows]
+    allowed = torch.arange(s)[None, :] <= position[:, None]
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
 
 
 def top_k_sets(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -92,30 +153,30 @@ def chunk_selection(ctx: LayerContext, token_scores: np.ndarray, budget: int
     tokens are always kept. Returns per segment the chosen physical chunk ids.
     """
     c = ctx.segments[0].entry.layout.chunk_size
-    candidates = []  # (score, segment, chunk, useful tokens)
-    forced = set()
-    per_segment = ctx.split(token_scores)
-    for si, (seg, scores) in enumerate(zip(ctx.segments, per_segment)):
-        chunk_of = seg.logical_to_chunk()
-        sums = np.bincount(chunk_of, weights=scores, minlength=seg.entry.layout.n_chunks)
-        counts = np.bincount(chunk_of, minlength=seg.entry.layout.n_chunks)
-        for ch in np.flatnonzero(counts):
-            candidates.append((float(sums[ch]), si, int(ch), int(counts[ch])))
-        if seg.start == 0:
-            forced.add((si, int(chunk_of[0])))
+    scores, counts, owner, chunk, forced = [], [], [], [], []
     last = len(ctx.segments) - 1
-    recent = ctx.segments[last].logical_to_chunk()[-c:]
-    forced.update((last, int(ch)) for ch in np.unique(recent))
-
-    chosen, taken = set(), 0
-    for si, ch in forced:
-        chosen.add((si, ch))
-    taken = sum(n for _, si, ch, n in candidates if (si, ch) in chosen)
-    for score, si, ch, n in sorted(candidates, key=lambda t: -t[0]):
-        if taken >= budget:
-            break
-        if (si, ch) not in chosen:
-            chosen.add((si, ch))
-            taken += n
-    return [np.array(sorted(ch for s, ch in chosen if s == si), dtype=np.int64)
-            for si in range(len(ctx.segments))]
+    for si, (seg, seg_scores) in enumerate(zip(ctx.segments, ctx.split(token_scores))):
+        chunk_of = seg.logical_to_chunk()
+        n_chunks = seg.entry.layout.n_chunks
+        held = np.bincount(chunk_of, minlength=n_chunks)
+        ids = np.flatnonzero(held)
+        must = np.zeros(n_chunks, dtype=bool)
+        if seg.start == 0:
+            must[chunk_of[0]] = True
+        if si == last:
+            must[chunk_of[-c:]] = True
+        scores.append(np.bincount(chunk_of, weights=seg_scores, minlength=n_chunks)[ids])
+        counts.append(held[ids])
+        owner.append(np.full(len(ids), si))
+        chunk.append(ids)
+        forced.append(must[ids])
+    scores, counts = np.concatenate(scores), np.concatenate(counts)
+    owner, chunk, forced = np.concatenate(owner), np.concatenate(chunk), np.concatenate(forced)
+    # Forced chunks first, then the rest by score (ties: segment, then chunk order); a chunk
+    # is taken while the tokens taken before it are still under budget.
+    rest = np.flatnonzero(~forced)
+    rest = rest[np.argsort(-scores[rest], kind="stable")]
+    before = int(counts[forced].sum()) + np.cumsum(counts[rest]) - counts[rest]
+    take = forced.copy()
+    take[rest[before < budget]] = True
+    return [np.sort(chunk[take & (owner == si)]) for si in range(len(ctx.segments))]

@@ -184,7 +184,7 @@ class Replay(ServingPolicy):
             plan.scores, plan.selected = ctx.split(scores), ctx.split(np.ones(n, bool))
             return plan
         chunks = chunk_selection(ctx, scores, k)
-        selected = [np.isin(seg.logical_to_chunk(), ch) for seg, ch in zip(ctx.segments, chunks)]
+        selected = [seg.in_chunks(ch) for seg, ch in zip(ctx.segments, chunks)]
         return LayerPlan(chunks, chunks, [None] * len(chunks), scores=ctx.split(scores),
                          selected=selected)
 

@@ -253,3 +253,53 @@ def test_corrupt_prefetched_probe_is_recomputed_not_served(tiny_runtimes, tmp_pa
         assert healed.stats.matched_tokens == 128 and healed.stats.probe_bytes > 0
     finally:
         store.close()
+
+
+def test_prefetching_the_last_selection_changes_reads_not_results(tiny_runtimes, tmp_path):
+    """With prefetch on, the chunks the last query selected are read a layer ahead; the
+    answer is the same, and a repeated query needs no disk read after its selection."""
+    rt = tiny_runtimes["llama-tiny"]
+    prefix, query = _ids(8, 256), _ids(9, 16)
+    runs = {}
+    for prefetch in (False, True):
+        cfg = ServingConfig(retention=0.25, prefetch=prefetch)
+        policy = make_policy("impress", cfg)
+        assert policy.prefetch_last_selection == prefetch
+        store = open_store(tmp_path / str(prefetch), rt, cfg, policy, chunk_size=16)
+        try:
+            engine = Engine(rt, store, policy, TierSizes())
+            engine.serve(Request(prefix, query, 1))    # computes and stores the prefix
+            engine.serve(Request(prefix, query, 1))    # the first selection: no guess yet
+            late = []           # K/V disk reads submitted after the policy chose
+            real = store.start_kv_chunks
+
+            def start_kv_chunks(*a, **k):
+                load = real(*a, **k)
+                late.append(load.read is not None)
+                return load
+            store.start_kv_chunks = start_kv_chunks
+            second = engine.serve(Request(prefix, query, 4))
+            runs[prefetch] = (second, late)
+        finally:
+            store.close()
+    (plain, plain_late), (ahead, ahead_late) = runs[False], runs[True]
+    assert ahead.tokens == plain.tokens
+    assert ahead.stats.chunks_loaded == plain.stats.chunks_loaded
+    assert ahead.stats.bytes_read["disk"] == plain.stats.bytes_read["disk"]  # same guess
+    assert len(plain_late) == len(ahead_late) > 0               # one load per layer
+    assert all(plain_late) and not any(ahead_late)
+
+
+def test_probing_every_other_layer_reads_half_the_probes(tiny_runtimes, tmp_path):
+    """probe_every=2: odd layers reuse the even layer's scores and read no probe copy."""
+    rt = tiny_runtimes["llama-tiny"]
+    prefix, query = _ids(10, 256), _ids(11, 16)
+    got = {}
+    for every in (1, 2):
+        _, warm, _ = _serve_twice(rt, "impress", prefix, query, tmp_path / str(every),
+                                  retention=0.25, probe_every=every)
+        got[every] = warm.stats
+    layers = got[1].layers
+    assert layers % 2 == 0 and got[1].probe_bytes > 0
+    assert got[2].probe_bytes * 2 == got[1].probe_bytes
+    assert got[2].chunks_loaded > 0 and got[2].layers_fallback == 0

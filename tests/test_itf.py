@@ -108,3 +108,92 @@ def test_probe_scores_with_the_last_queries(last):
             logits[:2] = float("-inf")       # pads
             want[p] += torch.softmax(logits, 0)[:n]
     assert torch.allclose(probe_scores(ctx), want, atol=1e-5)
+
+
+def _reference_chunk_selection(ctx, token_scores, budget):
+    """The selection rule written out plainly: forced chunks, then by score."""
+    c = ctx.segments[0].entry.layout.chunk_size
+    candidates, forced = [], set()
+    for si, (seg, scores) in enumerate(zip(ctx.segments, ctx.split(token_scores))):
+        chunk_of = seg.logical_to_chunk()
+        for ch in np.unique(chunk_of):
+            candidates.append((float(scores[chunk_of == ch].sum()), si, int(ch),
+                               int((chunk_of == ch).sum())))
+        if seg.start == 0:
+            forced.add((si, int(chunk_of[0])))
+    last = len(ctx.segments) - 1
+    forced.update((last, int(ch)) for ch in ctx.segments[last].logical_to_chunk()[-c:])
+    chosen = set(forced)
+    taken = sum(n for _, si, ch, n in candidates if (si, ch) in chosen)
+    for _, si, ch, n in sorted(candidates, key=lambda t: -t[0]):
+        if taken >= budget:
+            break
+        if (si, ch) not in chosen:
+            chosen.add((si, ch))
+            taken += n
+    return [sorted(ch for s, ch in chosen if s == si) for si in range(len(ctx.segments))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_selection_matches_the_plain_rule(seed):
+    """Several segments (one partly used, some reordered), random scores and budgets."""
+    rng = np.random.default_rng(seed)
+    c, segments, start = 16, [], 0
+    for n, used in ((128, 128), (64, 64), (96, int(rng.integers(20, 96)))):
+        mapping = rng.permutation(n) if rng.random() < 0.5 else None
+        segments.append(Segment(type("N", (), {"start": start})(), used, _Entry(n, c, mapping)))
+        start += used
+    ctx = _Ctx(segments)
+    scores = rng.random(start).round(1)   # ties happen: their order must match too
+    for budget in (1, 40, int(0.25 * start), start // 2, start):
+        got = [ids.tolist() for ids in chunk_selection(ctx, scores, budget)]
+        assert got == _reference_chunk_selection(ctx, scores, budget)
+
+
+def _score_reference(q, keys_logical, k_new, heads, kv_of_head, n_pad, rows):
+    """Per head, per probing query: softmax over (prefix, causal new), prefix part summed."""
+    d = q.shape[-1]
+    s = k_new.shape[1]
+    out = torch.zeros(len(heads), keys_logical.shape[1])
+    for p, h in enumerate(heads):
+        j = kv_of_head[h]
+        for i in rows:
+            logits = torch.cat([keys_logical[j] @ q[h, i], k_new[j, : i + 1] @ q[h, i]]) / d ** 0.5
+            logits[:n_pad] = float("-inf")
+            out[p] += torch.softmax(logits, 0)[: keys_logical.shape[1]]
+    return out
+
+
+@pytest.mark.parametrize("heads", [(0, 1, 2, 3, 4, 5), (0, 1, 3), (4,)])
+@pytest.mark.parametrize("stride", [1, 3])
+def test_probe_scores_over_stored_order_match_logical_scoring(heads, stride):
+    """Scores computed over keys in stored (physical) order, with unused columns, map back
+    to exactly the scores of logically ordered keys; grouped heads of unequal counts."""
+    import types
+
+    from policies.base import ProbeKeys
+    from policies.itf import probe_scores
+
+    g = torch.Generator().manual_seed(5)
+    H, KV, s, n_store, used, d = 6, 2, 7, 48, 40, 16
+    q = torch.randn(H, s, d, generator=g)
+    k_new = torch.randn(KV, s, d, generator=g)
+    stored = torch.randn(KV, n_store, d, generator=g)          # physical order
+    mapping = torch.randperm(n_store, generator=g).numpy()      # physical -> logical
+    physical_of = np.argsort(mapping)
+    probe = ProbeKeys(stored, physical_of[:used])               # logical -> column
+    logical = stored[:, torch.from_numpy(physical_of[:used])]
+    ctx = types.SimpleNamespace(read_probe=lambda: probe, probe_kv_heads=(0, 1),
+                                probe_heads=heads, group=H // KV, q=q, k_new=k_new, n_pad=3,
+                                config=ServingConfig(probe_stride=stride))
+    rows = range((s - 1) % stride, s, stride)
+    want = _score_reference(q, logical, k_new, heads, {h: h // 3 for h in range(H)}, 3, rows)
+    assert torch.allclose(probe_scores(ctx), want, atol=1e-5)
+    assert torch.equal(probe.logical(), logical)
+
+
+def test_chunk_selection_when_every_chunk_is_forced():
+    """A prefix of one chunk: it is the sink and the most recent; nothing else to rank."""
+    node = type("N", (), {"start": 0})()
+    seg = Segment(node, 16, _Entry(16, 16))
+    assert [c.tolist() for c in chunk_selection(_Ctx([seg]), np.ones(16), budget=4)] == [[0]]

@@ -450,3 +450,68 @@ def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
         pending = store.start_kv_chunks(entry, {"k": [0], "v": [7]}, node)
         with pytest.raises(CorruptNode, match="V chunk 7"):
             store.finish_kv_chunks(pending)
+
+
+def test_last_selection_survives_a_reorder_and_stale_entries_leave_it_alone(tmp_path):
+    """The chunks the last query selected are the prefetch guess: after a reorder they are
+    the chunks now holding those tokens; a selection recorded against a replaced layout
+    does not overwrite it."""
+    n = 8 * C
+    tokens = np.arange(n)
+    with PrefixStore(tmp_path / "s", SHAPE, config(reorder_hot_fraction=1.0)) as store:
+        (node,) = store.insert(tokens, 0, make_kv(n, seed=12))
+        entry = store.entry(node, 0)
+        assert store.last_selected_chunks(entry).tolist() == []
+        selected = np.zeros(n, bool)
+        selected[5 * C:6 * C] = True                       # logical chunk 5
+        importance = np.zeros(n, np.float32)
+        importance[5 * C:6 * C] = 1.0
+        store.record_selection(entry, importance, selected)
+        assert store.last_selected_chunks(entry).tolist() == [5]
+        store.reorder_node(node, [0])
+        new = store.entry(node, 0)
+        assert new is not entry and new.mapping is not None
+        assert store.last_selected_chunks(entry).tolist() == []     # stale layout: no guess
+        want = np.unique(new.physical_of[5 * C:6 * C] // C).tolist()
+        assert store.last_selected_chunks(new).tolist() == want == [1]   # after the sink
+        other = np.zeros(n, bool)
+        other[:C] = True
+        store.record_selection(entry, None, other)                  # the old version's
+        assert store.last_selected_chunks(new).tolist() == want
+
+
+def test_prefetched_chunks_serve_a_load_as_a_disk_read_would(tmp_path):
+    """Chunks read ahead are taken instead of read again, and the tiers count and admit
+    exactly as when the load reads them itself."""
+    from impress_flexgen.tiers import ChunkCache, TierConfig
+
+    n = 8 * C
+    kv = make_kv(n, seed=13)
+    chunk = SHAPE.n_kv_heads * C * SHAPE.head_dim * 2
+    outcomes = []
+    for ahead in (False, True):
+        cache = ChunkCache(TierConfig(gpu_bytes=0, cpu_bytes=6 * chunk, policy="lru"))
+        with PrefixStore(tmp_path / f"s{ahead}", SHAPE, config(), cache=cache) as store:
+            (node,) = store.insert(np.arange(n), 0, kv)
+            entry = store.entry(node, 0)
+            store.load_chunks(entry, "k", [1, 2], node)            # now in the CPU tier
+            early = None
+            if ahead:
+                read = store.start_prefetch(entry, {"k": [1, 2, 3, 4], "v": [4]}, node)
+                assert read.ids_of["k"].tolist() == [3, 4]     # tier-resident ones skipped
+                early, nbytes = store.finish_prefetch(read)
+                assert nbytes > 0
+            load = store.start_kv_chunks(entry, {"k": [2, 3, 5], "v": [4, 6]}, node,
+                                         ahead=early)
+            got, served = store.finish_kv_chunks(load)
+            for kind, ids in (("k", [2, 3, 5]), ("v", [4, 6])):
+                want = kv[0][0 if kind == "k" else 1]
+                for i, t in zip(ids, got[kind]):
+                    assert torch.equal(bits(t), bits(want[:, i * C:(i + 1) * C]))
+            outcomes.append((served["cpu"], cache.metrics["cpu"],
+                             sorted(cache.resident_keys("cpu"))))
+            if ahead:
+                assert served["disk_chunks"] == 2          # k5 and v6; k3 and v4 came ahead
+    assert outcomes[0][0] == outcomes[1][0]
+    assert outcomes[0][1] == outcomes[1][1]
+    assert [k[3:] for k in outcomes[0][2]] == [k[3:] for k in outcomes[1][2]]
