@@ -50,9 +50,9 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     out = torch.empty(len(ctx.probe_heads), keys.shape[1])
     for batch in batches:
         kv = [j for j, _ in batch]
-        rows = [i for _, heads in batch for i in heads]
+        at = [i for _, heads in batch for i in heads]             # rows of `out`, in order
         g, b, sq = len(batch[0][1]), len(batch), q.shape[1]
-        qb = q[[ctx.probe_heads[i] for i in rows]].reshape(b, g * sq, d)
+        qb = q[[ctx.probe_heads[i] for i in at]].reshape(b, g * sq, d)
         kb = keys if kv == list(range(keys.shape[0])) else keys[kv]
         kn = ctx.k_new[[ctx.probe_kv_heads[j] for j in kv]]
         logits = torch.bmm(qb, kb.transpose(1, 2))                       # (b, g*s', columns)
@@ -67,7 +67,7 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
         total = probs.sum(-1) + logits_new.sub_(peak).exp_().sum(-1)       # (b, g*s')
         # Column sums of the normalised rows: one (1, s') x (s', columns) product per head.
         weights = total.reciprocal_().view(b * g, 1, sq)
-        out[rows] = torch.bmm(weights, probs.view(b * g, sq, -1)).view(b * g, -1)
+        out[at] = torch.bmm(weights, probs.view(b * g, sq, -1)).view(b * g, -1)
     if probe.column_of is not None:
         out = out[:, torch.from_numpy(probe.column_of)]
     return out

@@ -36,6 +36,9 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     (["--granularity", "word"], "invalid choice"),
     (["--prefixes", "0"], "at least 1"),
     (["--gpu-cache-gb", "-1"], "must not be negative"),
+    (["--probe-queries", "-2"], "--probe-queries must be 0"),
+    (["--probe-stride", "0"], "must be positive"),
+    (["--probe-every", "0"], "must be positive"),
 ])
 def test_run_bad_input_is_one_line_exit_2(args, message):
     r = _cli("impress_flexgen.run", *args)
