@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.corpus import load_text
 from impress_flexgen.engine import Engine, Request
+from impress_flexgen.errors import UserError
+from impress_flexgen.models import resolve
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from policies import DecodeConfig, ServingConfig, make_policy
 from policies.page_index import IndexConfig
@@ -114,12 +116,22 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    with Runtime(RuntimeConfig(model=args.model)) as rt:
+    need = args.prefix_tokens + args.steps + 2
+    limit = resolve(args.model, None, 0).config.max_seq_len
+    longer = None
+    if need > limit:
+        # Random weights have no trained position limit: give them the positions asked for
+        # (the 32k-token measurement on a Llama-2-7B shape).
+        if not resolve(args.model, None, 0).random_weights:
+            raise UserError(f"{args.model} has {limit} positions; --prefix-tokens + --steps "
+                            f"need {need}")
+        longer = int(math.ceil(need / 64) * 64)
+    with Runtime(RuntimeConfig(model=args.model, max_seq_len=longer)) as rt:
         ids = rt.tokenizer.encode(load_text(args.text))
-        need = args.prefix_tokens + args.steps + 2
-        if len(ids) < need:
-            raise SystemExit(f"text {args.text} has {len(ids)} tokens, need {need}")
         start = 2000                   # skip front matter
+        if len(ids) < start + need:
+            raise UserError(f"text {args.text} has {len(ids) - start} tokens after its front "
+                            f"matter, need {need}")
         ids = ids[start:start + need]
         prefix, query = ids[:args.prefix_tokens], ids[args.prefix_tokens:args.prefix_tokens + 1]
         forced = ids[args.prefix_tokens + 1:args.prefix_tokens + 1 + args.steps]
@@ -178,7 +190,9 @@ def main(argv=None) -> int:
     print(f"\nindex recall of the true top-{args.recall_k} keys per query head "
           f"({args.recall_steps} steps, all sparse layers):")
     for b in args.budgets:
-        line = "  ".join(f"{x['policy']} {x['recall']:.3f}" for x in recall if x["budget"] == b)
+        # None: no sparse layer measured (a model with no more layers than --dense-layers)
+        line = "  ".join(f"{x['policy']} " + ("-" if x["recall"] is None else f"{x['recall']:.3f}")
+                         for x in recall if x["budget"] == b)
         print(f"  budget {b:>4}: {line}")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     write_json(args.json, {"model": args.model, "text": args.text,

@@ -218,3 +218,23 @@ def test_semantic_store_layout_puts_similar_keys_in_one_chunk(tmp_path):
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         store.record_selection(entry, np.ones(n, np.float32), None)
         assert store.reorder_now() == 0                                 # laid out once
+
+
+def test_icecache_eval_extends_positions_of_random_weight_models_only(tmp_path, capsys):
+    """The 32k measurement asks more positions than Llama-2's 4,096: random weights get them
+    (here llama-tiny past its 2,048), real weights are refused in one line, exit 2."""
+    import json
+
+    from experiments import icecache_eval
+
+    path = tmp_path / "eval.json"
+    assert icecache_eval.main(["--model", "llama-tiny", "--prefix-tokens", "2112", "--steps", "4",
+                               "--budgets", "64", "--recall-steps", "2", "--only", "icecache@64",
+                               "--json", str(path)]) == 0
+    got = json.loads(path.read_text())
+    assert got["prefix_tokens"] == 2112 and [r["policy"] for r in got["results"]][-1] == "icecache@64"
+    from impress_flexgen.cli import run_main
+
+    code = run_main("python -m experiments.icecache_eval", icecache_eval.main,
+                    ["--model", "smollm2-135m", "--prefix-tokens", "9000", "--steps", "4"])
+    assert code == 2 and "8192 positions" in capsys.readouterr().err
