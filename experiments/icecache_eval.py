@@ -117,12 +117,13 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     need = args.prefix_tokens + args.steps + 2
-    limit = resolve(args.model, None, 0).config.max_seq_len
+    spec = resolve(args.model, None, 0)
+    limit = spec.config.max_seq_len
     longer = None
     if need > limit:
         # Random weights have no trained position limit: give them the positions asked for
         # (the 32k-token measurement on a Llama-2-7B shape).
-        if not resolve(args.model, None, 0).random_weights:
+        if not spec.random_weights:
             raise UserError(f"{args.model} has {limit} positions; --prefix-tokens + --steps "
                             f"need {need}")
         longer = int(math.ceil(need / 64) * 64)

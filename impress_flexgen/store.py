@@ -161,10 +161,9 @@ class LayerStats:
         """The node's tokens moved (a reorder): carry the last selection over to the new
         physical order (it predicts the next one); access counts start again."""
         c = self.bitmaps.shape[1] * 8
-        physical = np.unpackbits(self.bitmaps, axis=1).reshape(-1).astype(bool)
-        logical = physical if old_mapping is None else np.empty_like(physical)
-        if old_mapping is not None:
-            logical[old_mapping] = physical
+        logical = np.unpackbits(self.bitmaps, axis=1).reshape(-1).astype(bool)
+        if old_mapping is not None:          # physical p held logical old_mapping[p]
+            logical[old_mapping] = logical.copy()
         per_chunk = logical[new_mapping].reshape(-1, c)
         self.bitmaps[:] = np.packbits(per_chunk, axis=1)
         self.ratio[:] = np.round(per_chunk.mean(axis=1) * 255).astype(np.uint8)

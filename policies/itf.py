@@ -26,8 +26,6 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     in their stored order and the scores mapped to logical positions afterwards.
     """
     probe = ctx.read_probe()
-    if isinstance(probe, torch.Tensor):
-        probe = ProbeKeys(probe)
     keys = probe.keys                                         # (n_probe_kv, columns, d)
     d = keys.shape[-1]
     s = ctx.k_new.shape[1]

@@ -117,30 +117,38 @@ def test_fixed_threshold_can_fall_back(tiny_runtimes, tmp_path):
     assert warm.stats.kv_bytes_loaded == full.stats.kv_bytes_loaded
 
 
-def test_corrupt_chunk_is_recomputed_not_served(tiny_runtimes, tmp_path, caplog):
-    rt = tiny_runtimes["llama-tiny"]
-    prefix, query = _ids(10, 64), _ids(11, 5)
+def _serve_after_corrupting(rt, tmp_path, caplog, policy_name, cfg, prefix, query, layer,
+                            offset, garbage):
+    """Serve once (stores the prefix), overwrite `garbage` at `offset` of `layer`'s file,
+    serve again and once more: (reference tokens, the corrupted serve, the third serve)."""
     ref = rt.generate([prefix + query], 3).new_ids[0]
-    cfg = ServingConfig(retention=1.0)
-    policy = make_policy("full", cfg)
+    policy = make_policy(policy_name, cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
         engine = Engine(rt, store, policy)
         engine.serve(Request(prefix, query, 3))
         (node,) = store.tree.nodes.values()
-        entry = store.entry(node, 1)
+        entry = store.entry(node, layer)
         with open(entry.path, "r+b") as f:
-            f.seek(entry.layout.chunk_offset("k", 1) + 3)
-            f.write(b"\xff\xff")
+            f.seek(offset(entry))
+            f.write(garbage)
         with caplog.at_level("WARNING"):
             resp = engine.serve(Request(prefix, query, 3))
-        assert resp.tokens == ref
-        assert resp.stats.recovered_from_corruption == 1 and resp.stats.matched_tokens == 0
-        assert "quarantined" in caplog.text
         healed = engine.serve(Request(prefix, query, 3))  # re-inserted by the recompute
-        assert healed.stats.matched_tokens == 64 and healed.tokens == ref
+        return ref, resp, healed
     finally:
         store.close()
+
+
+def test_corrupt_chunk_is_recomputed_not_served(tiny_runtimes, tmp_path, caplog):
+    rt = tiny_runtimes["llama-tiny"]
+    ref, resp, healed = _serve_after_corrupting(
+        rt, tmp_path, caplog, "full", ServingConfig(retention=1.0), _ids(10, 64), _ids(11, 5),
+        layer=1, offset=lambda e: e.layout.chunk_offset("k", 1) + 3, garbage=b"\xff\xff")
+    assert resp.tokens == ref
+    assert resp.stats.recovered_from_corruption == 1 and resp.stats.matched_tokens == 0
+    assert "quarantined" in caplog.text
+    assert healed.stats.matched_tokens == 64 and healed.tokens == ref
 
 
 def test_decode_over_full_prefix_is_an_option(tiny_runtimes, tmp_path):
@@ -231,28 +239,14 @@ def test_corrupt_prefetched_probe_is_recomputed_not_served(tiny_runtimes, tmp_pa
     """The last layer's probe keys are read ahead, while the layer before computes: a CRC
     failure there still takes the node out of service and the request is recomputed."""
     rt = tiny_runtimes["llama-tiny"]
-    prefix, query = _ids(14, 128), _ids(15, 6)
-    ref = rt.generate([prefix + query], 3).new_ids[0]
-    cfg = ServingConfig(retention=0.25, threshold="none")
-    policy = make_policy("impress", cfg)
-    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
-    try:
-        engine = Engine(rt, store, policy)
-        engine.serve(Request(prefix, query, 3))
-        (node,) = store.tree.nodes.values()
-        entry = store.entry(node, rt.spec.config.num_hidden_layers - 1)
-        with open(entry.path, "r+b") as f:
-            f.seek(5)
-            f.write(b"\x00\xff\x00")
-        with caplog.at_level("WARNING"):
-            resp = engine.serve(Request(prefix, query, 3))
-        assert resp.tokens == ref
-        assert resp.stats.recovered_from_corruption == 1 and resp.stats.matched_tokens == 0
-        assert "quarantined" in caplog.text
-        healed = engine.serve(Request(prefix, query, 3))
-        assert healed.stats.matched_tokens == 128 and healed.stats.probe_bytes > 0
-    finally:
-        store.close()
+    ref, resp, healed = _serve_after_corrupting(
+        rt, tmp_path, caplog, "impress", ServingConfig(retention=0.25, threshold="none"),
+        _ids(14, 128), _ids(15, 6), layer=rt.spec.config.num_hidden_layers - 1,
+        offset=lambda e: 5, garbage=b"\x00\xff\x00")
+    assert resp.tokens == ref
+    assert resp.stats.recovered_from_corruption == 1 and resp.stats.matched_tokens == 0
+    assert "quarantined" in caplog.text
+    assert healed.stats.matched_tokens == 128 and healed.stats.probe_bytes > 0
 
 
 def test_prefetching_the_last_selection_changes_reads_not_results(tiny_runtimes, tmp_path):

@@ -12,6 +12,7 @@ import torch
 from experiments import gpu_repro
 from impress_flexgen.cli import run_main
 from policies import LayerContext, Segment, ServingConfig, make_policy
+from policies.base import ProbeKeys
 from policies.replay import (Replay, Trace, load_trace, map_positions, request_entry,
                              save_trace, source_layer)
 
@@ -60,7 +61,7 @@ def _context(layer: int, n: int, n_layers: int, chunk: int, config: ServingConfi
 
     def read_probe():
         probe_reads.append(layer)
-        return torch.randn(2, n, 8, generator=gen)
+        return ProbeKeys(torch.randn(2, n, 8, generator=gen))
 
     return LayerContext(layer, torch.randn(2, 3, 8, generator=gen),
                         torch.randn(2, 3, 8, generator=gen), [Segment(node, n, entry)], config,

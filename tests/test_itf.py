@@ -98,7 +98,9 @@ def test_probe_scores_with_the_last_queries(last):
     P, s, n, d = 3, 8, 40, 16
     q, k, k_new = (torch.randn(P, s, d, generator=g), torch.randn(P, n, d, generator=g),
                    torch.randn(P, s, d, generator=g))
-    ctx = types.SimpleNamespace(read_probe=lambda: k.clone(), probe_kv_heads=(0, 1, 2),
+    from policies.base import ProbeKeys
+
+    ctx = types.SimpleNamespace(read_probe=lambda: ProbeKeys(k.clone()), probe_kv_heads=(0, 1, 2),
                                 probe_heads=(0, 1, 2), group=1, q=q, k_new=k_new, n_pad=2,
                                 config=ServingConfig(probe_queries=last))
     want = torch.zeros(P, n)
