@@ -113,23 +113,25 @@ def encode_probe(keys: torch.Tensor, fmt: str) -> bytes:
 
 
 def decode_probe(buf, fmt: str, shape: tuple[int, int, int]) -> torch.Tensor:
-    """Bytes of a probe section -> float32 keys of `shape` (n_probe, n_tokens, head_dim)."""
+    """Bytes of a probe section (bytes-like or a uint8 tensor) -> float32 keys of `shape`
+    (n_probe, n_tokens, head_dim)."""
     n_values = int(np.prod(shape))
+    raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(bytearray(buf),
+                                                                     dtype=torch.uint8)
     if fmt == "fp16":
-        arr = np.frombuffer(buf, dtype=np.float16, count=n_values)
-        return torch.from_numpy(arr.astype(np.float32)).view(shape)
-    packed = np.frombuffer(buf, dtype=np.uint8, count=n_values // 2)
-    params = np.frombuffer(buf, dtype=np.float16, offset=n_values // 2,
-                           count=(n_values // INT4_GROUP) * 2).reshape(-1, 2).astype(np.float32)
-    # Nibbles straight into the float32 output, then scale and shift in place: no
-    # temporaries (this runs once per layer of every request, on the calling thread).
-    vals = np.empty((n_values // 2, 2), dtype=np.float32)
-    np.bitwise_and(packed, 0x0F, out=vals[:, 0], casting="unsafe")
-    np.right_shift(packed, 4, out=vals[:, 1], casting="unsafe")
-    groups = vals.reshape(-1, INT4_GROUP)
-    groups *= params[:, :1]
-    groups += params[:, 1:]
-    return torch.from_numpy(vals).view(shape)
+        return raw[:2 * n_values].view(torch.float16).float().view(shape)
+    packed = raw[:n_values // 2]
+    n_params = (n_values // INT4_GROUP) * 2
+    params = raw[n_values // 2:n_values // 2 + 2 * n_params].view(torch.float16).float()
+    params = params.view(-1, 2)
+    # torch rather than numpy: its fp16 conversion is vectorised and the scale and shift
+    # run on the compute threads (this runs once per layer of every request).
+    vals = torch.empty(n_values // 2, 2)
+    vals[:, 0].copy_(packed & 0x0F)
+    vals[:, 1].copy_(packed >> 4)
+    groups = vals.view(-1, INT4_GROUP)
+    groups.mul_(params[:, :1]).add_(params[:, 1:])
+    return vals.view(shape)
 
 
 def probe_supported(n_probe: int, n_tokens: int, head_dim: int) -> bool:

@@ -396,6 +396,9 @@ def main_runs(retentions, quick: bool) -> list[RunConfig]:
                 RunConfig("impress (probe last 32)", "impress", x, probe_queries=32),
                 RunConfig("impress (probe last 16)", "impress", x, probe_queries=16),
                 RunConfig("impress (probe stride 2)", "impress", x, probe_stride=2),
+                # Fewer probe heads (a third of the scoring): one per KV head, the paper's 0-2.
+                RunConfig("impress (probe heads group)", "impress", x, probe_heads="group"),
+                RunConfig("impress (probe heads first:3)", "impress", x, probe_heads="first:3"),
             ]
     return runs
 

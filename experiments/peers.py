@@ -19,7 +19,10 @@ way of serving, time to first token (TTFT) of every query, median reported:
   ours: recomp / full / impress   the engine over a prefix store on local disk, cold
                    O_DIRECT reads, no GPU/CPU tier (everything served from disk);
                    `impress + prefetch` reads the chunks its last query chose a layer
-                   ahead (each row has its own store, so its own history).
+                   ahead; `impress (probe heads group|first:3)` probe with 3 of the 9
+                   heads (one per KV head, or the paper's heads 0-2): a third of the
+                   scoring, at the accuracy the accuracy suite measures for them (each
+                   row has its own store, so its own history).
 
 The fast rows (hf-memory, hf-disk and ours but recomp) are measured in --rounds
 interleaved rounds (every query once per way per round, the order of the ways rotating),
@@ -146,7 +149,10 @@ def sparsity_rows(model: str, prefix, queries, sparsities=(1.0, 0.25), gen: int 
 
 OURS = (RunConfig("ours: full", "full", 1.0), RunConfig("ours: impress", "impress", 0.25),
         # The chunks the last query chose, read a layer ahead (off by default; measured here).
-        RunConfig("ours: impress + prefetch", "impress", 0.25, prefetch=True))
+        RunConfig("ours: impress + prefetch", "impress", 0.25, prefetch=True),
+        # Fewer probe heads: cheaper scoring on a CPU, less accurate (the accuracy suite).
+        RunConfig("ours: impress (probe heads group)", "impress", 0.25, probe_heads="group"),
+        RunConfig("ours: impress (probe heads first:3)", "impress", 0.25, probe_heads="first:3"))
 
 
 def measure(rt: Runtime, wl, root: Path, workdir: Path, rounds: int) -> tuple[list[dict], dict]:

@@ -37,7 +37,7 @@ from policies.base import ProbeKeys, resolve_probe_heads, tokens_of_chunks
 
 from .errors import UserError
 from .models.base import dense
-from .models.llama import llama_out, llama_qkv, rms_norm
+from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
 from .runtime import Runtime
 from .store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
@@ -137,10 +137,16 @@ class FamilyMath:
             self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
         self.n_layers = c.num_hidden_layers
 
-    def qkv(self, weights, x, positions):
+    def rope(self, positions: torch.Tensor, dtype) -> tuple | None:
+        """The rotary tables of `positions`, shared by every layer of a pass (None: OPT)."""
+        if self.family == "opt":
+            return None
+        return rope_cos_sin(positions, self.head_dim, self.config.rope_theta, dtype)
+
+    def qkv(self, weights, x, positions, rope=None):
         if self.family == "opt":
             return opt_qkv(self.config, weights, x)
-        return llama_qkv(self.config, weights, x, positions)
+        return llama_qkv(self.config, weights, x, positions, rope)
 
     def out(self, weights, attn, x):
         if self.family == "opt":
@@ -321,12 +327,13 @@ class Engine:
         kept, new_kv = [], []
         try:
             hidden = self._embed(new_ids, total, stats)
+            rope = self.math.rope(positions, hidden.val.data.dtype)
             for layer in range(self.math.n_layers):
                 # The next layer's probe keys, and the chunks it is expected to load, are
                 # read while this layer computes.
                 ahead.start(layer + 1)
-                kept_kv, kv = self._layer(layer, hidden, positions, segments_nodes, ahead,
-                                          stats)
+                kept_kv, kv = self._layer(layer, hidden, positions, rope, segments_nodes,
+                                          ahead, stats)
                 kept.append(kept_kv)
                 new_kv.append(kv)
         finally:
@@ -335,13 +342,13 @@ class Engine:
         stats.layers = self.math.n_layers
         return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
 
-    def _layer(self, layer, hidden, positions, segments_nodes, ahead, stats):
+    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats):
         """One transformer layer over the new tokens: project, plan, load, attend, MLP.
         Returns this layer's decode context [K, V, mask] and the new tokens' (K, V)."""
         weights = self._weights(1 + 2 * layer, stats)
         t0 = time.perf_counter()
         x = hidden.val.data
-        q, k_new, v_new = self.math.qkv(weights, x, positions)
+        q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
         stats.compute_s += time.perf_counter() - t0
 
         prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
@@ -454,10 +461,11 @@ class Engine:
         stats = RequestStats()  # weight timings of decode are not part of the request's TTFT
         hidden = self._embed([token], position + 1, stats)
         positions = torch.tensor([[position]], device=self.device)
+        rope = self.math.rope(positions, hidden.val.data.dtype)
         for layer in range(self.math.n_layers):
             weights = self._weights(1 + 2 * layer, stats)
             x = hidden.val.data
-            q, k_new, v_new = self.math.qkv(weights, x, positions)
+            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
             if pages is not None and pages.handles(layer):
                 # Decode-phase policy: the sink, its chosen pages and the window (new token last).
                 ctx = pages.attend_set(layer, q[0, :, 0], k_new[0], v_new[0])

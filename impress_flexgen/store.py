@@ -393,8 +393,7 @@ class PrefixStore:
         (run,) = self._wait(entry, pending.node, pending.handle,
                             lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
         self.metrics.probe_bytes_read += lay.probe_stride
-        buf = memoryview(run.data.numpy())
-        return decode_probe(buf[:lay.probe_bytes], lay.probe_format,
+        return decode_probe(run.data[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
 
     def _submit(self, entry: LayerEntry, node, extents, checks):

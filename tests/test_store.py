@@ -245,6 +245,28 @@ def test_probe_copy_int4_is_close_and_small():
     assert len(encode_probe(keys, "int4")) * 3.2 == len(encode_probe(keys, "fp16"))
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp16"])
+def test_probe_decode_from_a_read_buffer_equals_the_plain_formula(fmt):
+    """The store decodes straight from the reader's uint8 buffer (a slice of a longer,
+    page-padded run); the result is the format's formula, value for value."""
+    shape = (3, 96, 64)
+    raw = encode_probe(torch.randn(*shape) * 4, fmt)
+    run = torch.zeros(len(raw) + 4096, dtype=torch.uint8)
+    run[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    got = decode_probe(run[:len(raw)], fmt, shape)
+    assert torch.equal(got, decode_probe(raw, fmt, shape))
+    n = int(np.prod(shape))
+    if fmt == "fp16":
+        want = np.frombuffer(raw, np.float16).astype(np.float32)
+    else:
+        packed = np.frombuffer(raw, np.uint8, count=n // 2)
+        nibbles = np.stack([packed & 15, packed >> 4], 1).reshape(-1, INT4_GROUP)
+        scale, low = np.frombuffer(raw, np.float16, offset=n // 2).reshape(-1, 2).T
+        want = nibbles.astype(np.float32) * scale.astype(np.float32)[:, None] \
+            + low.astype(np.float32)[:, None]
+    assert torch.equal(got, torch.from_numpy(want.reshape(shape).astype(np.float32)))
+
+
 def test_capacity_evicts_unlocked_leaves(tmp_path):
     one_node = None
     with PrefixStore(tmp_path / "probe", SHAPE, config()) as store:

@@ -112,9 +112,8 @@ def convert_hf_llama(model_path: Path, cache_root: Path, dtype) -> Path:
 # Tensor operations (plain torch, on the compute device)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # torch's fused op: the same arithmetic (in float32) as the transformers reference.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -258,15 +257,17 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
         hidden.val = TorchTensor.create_from_torch(llama_out(c, weights, out, x), self.compute)
 
 
-def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor):
-    """Hidden states (b, s, h) at `positions` (b, s) -> q (b, H, s, d); k, v (b, KV, s, d)."""
+def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor,
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Hidden states (b, s, h) at `positions` (b, s) -> q (b, H, s, d); k, v (b, KV, s, d).
+    `rope`: the positions' (cos, sin), when the caller computed them once for all layers."""
     w_q, w_k, w_v, _, w_ln = weights
     b, s, _ = x.shape
     h = rms_norm(x, w_ln.data, c.rms_norm_eps)
     q = F.linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
     k = F.linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
     v = F.linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+    cos, sin = rope or rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
