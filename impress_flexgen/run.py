@@ -55,7 +55,7 @@ def parse_args(argv):
                         "see the README)")
     g.add_argument("--prefetch", action="store_true",
                    help="impress: read the chunks the last query selected a layer ahead "
-                        "(off: on a 2-core CPU it measured no faster and read 8%% more)")
+                        "(off: on a 2-core CPU it measured slower and read 9%% more)")
     g.add_argument("--threshold-value", type=float, default=0.85, help="for --threshold fixed")
     g.add_argument("--adaptive-alpha", type=float, default=0.6, help="t = j^alpha (adaptive)")
     g.add_argument("--chunk-size", type=int, default=16, help="tokens per chunk, 16-256 (16)")

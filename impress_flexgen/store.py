@@ -642,8 +642,7 @@ class PrefixStore:
             if scores is not None:
                 stats.importance += scores.astype(np.float32)
                 stats.dirty = True
-            node = self.tree.nodes.get(entry.node_id)
-            current = node is not None and node.layers[entry.layer] is entry
+            current = self._is_current(entry)
             if selected is not None and current:   # bitmaps are in the current layout
                 c = entry.layout.chunk_size
                 phys_sel = selected if entry.mapping is None else selected[entry.mapping]
@@ -659,10 +658,14 @@ class PrefixStore:
         none has been recorded for its layout): the best guess at the next selection."""
         with self.lock:
             stats = self.stats.get((entry.node_id, entry.layer))
-            node = self.tree.nodes.get(entry.node_id)
-            if stats is None or node is None or node.layers[entry.layer] is not entry:
+            if stats is None or not self._is_current(entry):
                 return np.zeros(0, dtype=np.int64)
             return np.flatnonzero(stats.bitmaps.any(axis=1))
+
+    def _is_current(self, entry: LayerEntry) -> bool:
+        """Is `entry` its node's layout now (not one a reorder replaced)? Under the lock."""
+        node = self.tree.nodes.get(entry.node_id)
+        return node is not None and node.layers[entry.layer] is entry
 
     def chunk_ratios(self, entry: LayerEntry, chunk_ids) -> np.ndarray:
         stats = self.stats.get((entry.node_id, entry.layer))
