@@ -14,8 +14,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import itertools
 import logging
 import os
+import stat
 import threading
 import zlib
 from collections import OrderedDict, deque
@@ -69,38 +71,103 @@ class ShortRead(OSError):
     """The file ended before the bytes the metadata promised (truncated file)."""
 
 
+class NotRegularFile(OSError):
+    """A path that should name a layer file names a directory, FIFO, device or socket."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def is_regular_file(path) -> bool:
+    """True for a regular file; False for anything else, a symbolic link included (not
+    followed), and for a path that does not exist."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """os.open(path, flags) for a regular file only, without following a final symbolic
+    link (ELOOP) and without blocking on a FIFO: anything but a regular file is closed
+    again and raises NotRegularFile. The descriptor is returned in blocking mode."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{path} is {_kind(mode)}, not a layer file")
+        if not flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_tmp_serial = itertools.count()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def write_durable(path: str, chunks, total_bytes: int) -> None:
     """Write `chunks` [(offset, bytes), ...] into a new file at `path`, fsync it and its dir.
 
-    Written under a temporary name and renamed, so a crash never leaves a partial file
-    under a name the metadata could point to.
+    Written under a temporary name (unique to the process and thread, ending in ".tmp"),
+    then renamed, so a crash never leaves a partial file under a name the metadata could
+    point to. On any failure neither the temporary file nor `path` is left behind.
     """
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, total_bytes)
-        for offset, data in chunks:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        os.fsync(fd)
-    except BaseException:
-        # A failed write (ENOSPC, say) must not leave its partial file behind on a disk
-        # that may already be full.
-        os.close(fd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    for _ in range(8):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_serial)}.tmp"
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+            fd = os.open(tmp, flags, 0o644)
+            break
+        except FileExistsError:   # a leftover of a killed process with our pid
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
+    try:
+        try:
+            os.ftruncate(fd, total_bytes)
+            for offset, data in chunks:
+                view = memoryview(data)
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        # A failed write (ENOSPC, EIO, say) must not leave its partial file behind on a
+        # disk that may already be full.
+        _unlink_quietly(tmp)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    try:
+        fsync_dir(os.path.dirname(path))
+    except BaseException:
+        # The name may not be durable: no metadata will point to it, so it goes.
+        _unlink_quietly(path)
+        raise
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
+    fd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
@@ -263,6 +330,11 @@ class _Fd:
 class DiskReader:
     """Cold reads of aligned extents from immutable files, several in flight.
 
+    Files are opened outside the reader's lock and only if they are regular files (no
+    symbolic link followed, a FIFO never waited on), so one bad path cannot stall other
+    reads. Every failure of a read reaches wait() as an OSError (ShortRead for a
+    truncated file) or as ChecksumMismatch.
+
     A request's extents are coalesced into runs of adjacent extents (at most
     MAX_RUN_BYTES each); every run is one read into its own page-aligned buffer, and all
     runs of a request are in flight together on the thread pool. With checks, the worker
@@ -277,36 +349,56 @@ class DiskReader:
         self.buffers = BufferPool(pool_bytes)
         self._fds: OrderedDict[str, _Fd] = OrderedDict()
         self._lock = threading.Lock()
+        self._forgets = 0   # bumped by forget(): an open racing it is not cached
         self.max_open_files = max_open_files
         self.bytes_read = 0
         self.reads = 0
 
     # -- descriptors: cached, counted while in use so eviction never closes a busy one --
-    def _acquire(self, path: str) -> _Fd:
+    def _open(self, path: str) -> tuple[int, bool]:
+        """(descriptor, direct) of a regular file; raises OSError (NotRegularFile, ELOOP
+        for a symbolic link, ENOENT, ...)."""
         global _warned_buffered
+        refused = False
+        if self.direct:
+            try:
+                return open_regular(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or isinstance(exc, NotRegularFile):
+                    raise
+                refused = True   # tmpfs, or a FIFO / directory (ext4 refuses those too)
+        fd = open_regular(path, os.O_RDONLY)
+        if refused and not _warned_buffered:
+            log.warning("O_DIRECT refused on %s (tmpfs?): buffered reads with "
+                        "posix_fadvise(DONTNEED) instead", os.path.dirname(path))
+            _warned_buffered = True
+        return fd, False
+
+    def _acquire(self, path: str) -> _Fd:
         with self._lock:
             ent = self._fds.get(path)
             if ent is not None:
                 self._fds.move_to_end(path)
                 ent.users += 1
                 return ent
-            direct = False
-            fd = -1
-            if self.direct:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                    direct = True
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    if not _warned_buffered:
-                        log.warning("O_DIRECT refused on %s (tmpfs?): buffered reads with "
-                                    "posix_fadvise(DONTNEED) instead", os.path.dirname(path))
-                        _warned_buffered = True
-            if fd < 0:
-                fd = os.open(path, os.O_RDONLY)
+            forgets = self._forgets
+        # Opened without the lock: a slow device (or anything that blocks in open) must
+        # not hold up reads of other files.
+        fd, direct = self._open(path)
+        with self._lock:
+            ent = self._fds.get(path)
+            if ent is not None:          # another thread opened it meanwhile: use theirs
+                self._fds.move_to_end(path)
+                ent.users += 1
+                os.close(fd)
+                return ent
             ent = _Fd(fd, direct)
             ent.users = 1
+            if self._forgets != forgets:
+                # A forget() ran while we opened: the file may be on its way out, so this
+                # descriptor serves this read only and is closed on release.
+                ent.doomed = True
+                return ent
             self._fds[path] = ent
             self._trim()
             return ent
@@ -336,6 +428,7 @@ class DiskReader:
     def forget(self, path: str) -> None:
         """Close a cached descriptor (before its file is deleted); a busy one on release."""
         with self._lock:
+            self._forgets += 1
             ent = self._fds.pop(path, None)
             if ent is None:
                 return
@@ -381,8 +474,10 @@ class DiskReader:
         done = 0
         while done < length:
             n = os.preadv(ent.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise ShortRead(errno.EIO, f"{path}: file ends at {offset + done}, "
+            if n == 0 or (ent.direct and n % ALIGN and done + n < length):
+                # With O_DIRECT a short, unaligned read is the end of the file too (the
+                # next read would fail on alignment instead of saying so).
+                raise ShortRead(errno.EIO, f"{path}: file ends at {offset + done + n}, "
                                            f"expected {offset + length}")
             done += n
         if not ent.direct:
@@ -401,7 +496,8 @@ class DiskReader:
         first payload_len bytes, or a list [(start, payload_len, crc32, index)] of payloads
         inside the extent (a mismatch reports `index`); an Extents carries its own. Returns a
         handle for wait().
-        A missing file raises FileNotFoundError here.
+        A file that cannot be opened raises OSError here: FileNotFoundError when missing,
+        NotRegularFile for a directory, FIFO or device, ELOOP for a symbolic link.
         """
         ent = self._acquire(path)
         runs: list[Run] = []
@@ -505,7 +601,7 @@ class DiskReader:
 
 def drop_page_cache(path: str) -> None:
     """Evict one file from the page cache (for cold buffered baselines)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:

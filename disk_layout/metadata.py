@@ -3,31 +3,45 @@
 Hard state (token ids, file names, physical->logical mapping lists, CRCs) changes only in
 transactions that run after the data they describe is on disk and fsynced, so a crash at
 any point leaves either the old or the new version visible, never a half-written one.
-Soft state (accumulated importance, per-chunk importance bitmaps, 16-bit access counters,
-8-bit important ratios) is flushed periodically: losing some of it costs a less informed
-reorder, never KV.
+Every hard-state row carries a CRC32 of its fields, checked on each read together with
+the row's shape (lengths, permutation, file name), so a damaged row is reported invalid
+instead of returning wrong KV. Soft state (accumulated importance, per-chunk importance
+bitmaps, 16-bit access counters, 8-bit important ratios) is flushed periodically and not
+checksummed: losing or damaging some of it costs a less informed reorder, never KV.
+
+Node ids come from a persisted counter (meta `next_node_id`), never from SQLite's rowid
+allocation, so an id is never handed out twice: caches keyed by node id cannot confuse a
+deleted node with a new one.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import re
 import sqlite3
+import struct
+import zlib
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+log = logging.getLogger("impress_flexgen.metadata")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS nodes (
+SCHEMA_VERSION = 2
+
+_TABLES = {
+    "meta": """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+    "nodes": """CREATE TABLE IF NOT EXISTS nodes (
     id INTEGER PRIMARY KEY,
     parent INTEGER,              -- NULL: a child of the root
     start INTEGER NOT NULL,      -- position of the node's first token in the prefix
     tokens BLOB NOT NULL,        -- int32 token ids of this edge (whole chunks)
     hits INTEGER NOT NULL DEFAULT 0,
-    last_access REAL NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS layers (
+    last_access REAL NOT NULL DEFAULT 0,
+    crc INTEGER                  -- CRC32 of (id, parent, start, tokens)
+)""",
+    "layers": """CREATE TABLE IF NOT EXISTS layers (
     node INTEGER NOT NULL,
     layer INTEGER NOT NULL,
     version INTEGER NOT NULL,
@@ -38,9 +52,108 @@ CREATE TABLE IF NOT EXISTS layers (
     bitmaps BLOB,                -- per physical chunk, 1 bit per token: selected last time
     access BLOB,                 -- uint16 per physical chunk
     ratio BLOB,                  -- uint8 per physical chunk: important tokens / C * 255
+    crc INTEGER,                 -- CRC32 of (node, layer, version, file, mapping, crcs)
     PRIMARY KEY (node, layer)
-);
-"""
+)""",
+}
+SCHEMA = ";\n".join(_TABLES.values()) + ";\n"
+
+# Columns every schema this code can read has (schema 1 lacks the `crc` ones).
+_COLUMNS = {
+    "meta": {"key", "value"},
+    "nodes": {"id", "parent", "start", "tokens", "hits", "last_access"},
+    "layers": {"node", "layer", "version", "file", "mapping", "crcs", "importance",
+               "bitmaps", "access", "ratio"},
+}
+
+_FILE_NAME = re.compile(r"[0-9a-f]{32}\.kv")
+
+
+def valid_file_name(name: str) -> bool:
+    """True only for names the store gives layer files: 32 lowercase hex digits + ".kv"
+    (no separators, no "..", nothing absolute)."""
+    return isinstance(name, str) and _FILE_NAME.fullmatch(name) is not None
+
+
+# -- errors -------------------------------------------------------------------------------
+class MetadataError(Exception):
+    """The metadata database cannot be used; the message is one line naming its path."""
+
+
+class MetadataFull(MetadataError):
+    """SQLite reported SQLITE_FULL: the database or its disk is full."""
+
+
+class MetadataIOError(MetadataError):
+    """SQLite reported an I/O error (SQLITE_IOERR*) on the database or its WAL."""
+
+
+class MetadataReadOnly(MetadataError):
+    """The database (or its directory) cannot be written."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _translate(path: str, exc: sqlite3.Error) -> MetadataError:
+    """The MetadataError subclass for a sqlite3 error, its message naming `path`."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = None if code is None else code & 0xFF
+    what = _one_line(exc)
+    if primary == sqlite3.SQLITE_FULL:
+        return MetadataFull(f"{path}: database or disk is full ({what})")
+    if primary == sqlite3.SQLITE_IOERR:
+        return MetadataIOError(f"{path}: I/O error ({what})")
+    if primary == sqlite3.SQLITE_READONLY:
+        return MetadataReadOnly(f"{path}: read-only ({what})")
+    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+        return MetadataError(f"{path}: damaged or not a metadata database ({what})")
+    return MetadataError(f"{path}: {what}")
+
+
+def _translatable(exc: BaseException) -> bool:
+    # ProgrammingError / InterfaceError are misuse of the API (a bug), not a database state.
+    return isinstance(exc, sqlite3.Error) and not isinstance(
+        exc, (sqlite3.ProgrammingError, sqlite3.InterfaceError))
+
+
+class _Guard:
+    """Context manager: sqlite3 errors leave as MetadataError subclasses."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and _translatable(exc):
+            raise _translate(self.path, exc) from exc
+        return False
+
+
+# -- rows ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class NodeRow:
+    """One node row. `valid` is False when its checksum or shape is wrong (`problem` says
+    why): its tokens then cannot be trusted. Iterates as the 6-tuple
+    (id, parent, start, tokens, hits, last_access)."""
+
+    id: int
+    parent: int | None
+    start: int
+    tokens: np.ndarray
+    hits: int = 0
+    last_access: float = 0.0
+    valid: bool = True
+    problem: str | None = None
+
+    def __iter__(self):
+        return iter((self.id, self.parent, self.start, self.tokens, self.hits,
+                     self.last_access))
 
 
 @dataclasses.dataclass
@@ -55,127 +168,448 @@ class LayerRow:
     bitmaps: np.ndarray | None = None
     access: np.ndarray | None = None
     ratio: np.ndarray | None = None
+    valid: bool = True            # False: checksum, file name, mapping or crcs are wrong
+    problem: str | None = None
 
 
 def _blob(arr: np.ndarray | None):
     return None if arr is None else arr.tobytes()
 
 
+def _mapping_dtype(n_tokens: int):
+    return np.uint16 if n_tokens < 65536 else np.int32
+
+
 def mapping_blob(mapping: np.ndarray | None):
     if mapping is None:
         return None
-    dtype = np.uint16 if len(mapping) < 65536 else np.int32
-    return mapping.astype(dtype).tobytes()
+    return mapping.astype(_mapping_dtype(len(mapping))).tobytes()
 
 
 def mapping_from_blob(blob, n_tokens: int) -> np.ndarray | None:
     if blob is None:
         return None
-    dtype = np.uint16 if n_tokens < 65536 else np.int32
-    return np.frombuffer(blob, dtype=dtype).astype(np.int64)
+    return np.frombuffer(blob, dtype=_mapping_dtype(n_tokens)).astype(np.int64)
+
+
+def _crc_bytes(*parts) -> int | None:
+    """CRC32 of a canonical encoding of ints, strings and blobs (None: absent), or None
+    when a field has a type no valid row has (a damaged row)."""
+    out = []
+    for part in parts:
+        if isinstance(part, bool):
+            return None
+        if isinstance(part, int):
+            if not -(1 << 63) <= part < (1 << 63):
+                return None
+            out.append(b"i" + struct.pack("<q", part))
+        elif part is None:
+            out.append(b"n")
+        elif isinstance(part, str):
+            data = part.encode("utf-8", "surrogatepass")
+            out.append(b"s" + struct.pack("<Q", len(data)) + data)
+        elif isinstance(part, (bytes, bytearray, memoryview)):
+            data = bytes(part)
+            out.append(b"b" + struct.pack("<Q", len(data)) + data)
+        else:
+            return None
+    return zlib.crc32(b"".join(out))
+
+
+def node_crc(nid, parent, start, tokens) -> int | None:
+    return _crc_bytes(nid, -1 if parent is None else parent, start, tokens)
+
+
+def layer_crc(node, layer, version, file, mapping, crcs) -> int | None:
+    return _crc_bytes(node, layer, version, file, b"" if mapping is None else mapping, crcs)
+
+
+def _is_permutation(m: np.ndarray, n: int) -> bool:
+    if len(m) != n:
+        return False
+    if n == 0:
+        return True
+    if m.min() < 0 or m.max() >= n:
+        return False
+    return bool((np.bincount(m, minlength=n) == 1).all())
+
+
+def _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens: int,
+                 n_crcs: int | None) -> str | None:
+    """Why the hard state of a layer row cannot be trusted, or None."""
+    if crc is None:
+        return "no row checksum"
+    if not isinstance(crcs, bytes) or (mapping is not None and not isinstance(mapping, bytes)):
+        return "damaged blob type"
+    if layer_crc(node, layer, version, file, mapping, crcs) != crc:
+        return "row checksum mismatch"
+    if not isinstance(layer, int) or layer < 0 or not isinstance(version, int) or version < 0:
+        return f"bad layer/version ({layer!r}, {version!r})"
+    if not valid_file_name(file):
+        return f"bad file name {file!r}"
+    if mapping is not None:
+        width = np.dtype(_mapping_dtype(n_tokens)).itemsize
+        if len(mapping) != n_tokens * width:
+            return f"mapping of {len(mapping)} bytes for {n_tokens} tokens"
+        if not _is_permutation(mapping_from_blob(mapping, n_tokens), n_tokens):
+            return "mapping is not a permutation of the node's tokens"
+    if len(crcs) % 4:
+        return f"crcs blob of {len(crcs)} bytes"
+    if n_crcs is not None and len(crcs) // 4 != n_crcs:
+        return f"{len(crcs) // 4} chunk CRCs, expected {n_crcs}"
+    return None
+
+
+def _soft_state(imp, bitmaps, access, ratio, n_tokens: int):
+    """(importance f32, bitmaps u8, access u16, ratio u8), all None unless every blob is
+    present and their lengths agree with each other and with n_tokens."""
+    blobs = (imp, bitmaps, access, ratio)
+    if any(not isinstance(b, bytes) for b in blobs):
+        return None, None, None, None
+    n_chunks = len(access) // 2
+    ok = (len(imp) == 2 * n_tokens and len(access) % 2 == 0 and n_chunks > 0
+          and n_tokens % n_chunks == 0 and (n_tokens // n_chunks) % 8 == 0
+          and len(ratio) == n_chunks and len(bitmaps) == n_tokens // 8)
+    if not ok:
+        return None, None, None, None
+    return (np.frombuffer(imp, dtype=np.float16).astype(np.float32),
+            np.frombuffer(bitmaps, dtype=np.uint8).copy(),
+            np.frombuffer(access, dtype=np.uint16).copy(),
+            np.frombuffer(ratio, dtype=np.uint8).copy())
 
 
 class Metadata:
-    """One connection, used under the store's lock (check_same_thread off for its threads)."""
+    """One connection, used under the store's lock (check_same_thread off for its threads).
+
+    Every sqlite3 error leaves a method as MetadataError (MetadataFull for SQLITE_FULL,
+    MetadataIOError for SQLITE_IOERR*). Opening runs `PRAGMA integrity_check`, rejects
+    databases of another schema, and migrates schema 1 in place.
+    """
 
     def __init__(self, path: str):
         self.path = path
-        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
+        self._guard = _Guard(path)
+        self._next_floor = 1    # ids handed out by this process, even in rolled-back work
+        self.newer_schema = False
+        self.db = None
+        try:
+            with self._guard:
+                self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+                # A database cannot make us run its own functions from its schema.
+                self.db.execute("PRAGMA trusted_schema=OFF")
+                self._integrity_check()
+                # Inspected before anything is written: a database that is not ours is
+                # left exactly as it was, journal mode included.
+                if self._inspect_schema():
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    self.db.execute("PRAGMA synchronous=FULL")
+                    self._prepare_schema()
+        except BaseException:
+            if self.db is not None:
+                try:
+                    self.db.close()
+                except sqlite3.Error:
+                    pass
+            raise
+
+    def _integrity_check(self) -> None:
+        # integrity_check, not quick_check: only it finds an index that disagrees with its
+        # table, which would hide a node's layer rows from the lookups recovery makes.
+        problems = [r[0] for r in self.db.execute("PRAGMA integrity_check")]
+        if problems != ["ok"]:
+            first = _one_line(problems[0]) if problems else "no result"
+            raise MetadataError(f"{self.path}: failed its integrity check ({first})")
+
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+
+    def _inspect_schema(self) -> bool:
+        """Reject a foreign schema (reading only); False for one of a newer version, which
+        is left untouched (the store reports the mismatch from get_meta())."""
+        objects = self.db.execute(
+            "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'").fetchall()
+        tables = {name for kind, name in objects if kind == "table"}
+        foreign = sorted(name for kind, name in objects
+                         if kind in ("table", "view", "trigger") and name not in _TABLES)
+        if foreign:
+            raise MetadataError(f"{self.path}: not a prefix store database "
+                                f"(has {', '.join(foreign)})")
+        if "meta" in tables:
+            if not {"key", "value"} <= self._columns("meta"):
+                raise MetadataError(f"{self.path}: not a prefix store database "
+                                    "(table meta has other columns)")
+            schema = self._meta_value("schema")
+            if isinstance(schema, int) and schema > SCHEMA_VERSION:
+                self.newer_schema = True
+                return False
+        for table in tables:
+            missing = _COLUMNS[table] - self._columns(table)
+            if missing:
+                raise MetadataError(f"{self.path}: not a prefix store database (table "
+                                    f"{table} lacks {', '.join(sorted(missing))})")
+        return True
+
+    def _prepare_schema(self) -> None:
+        """Create missing tables and migrate schema 1, in one transaction."""
+        tables = {name for (name,) in self.db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        need_tables = set(_TABLES) - tables
+        need_crc = [t for t in ("nodes", "layers") if t in tables and "crc" not in
+                    self._columns(t)]
+        if not need_tables and not need_crc and self._meta_value("schema") != 1:
+            return
+        with self.transaction():
+            for table in sorted(need_tables):
+                self.db.execute(_TABLES[table])
+            for table in need_crc:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN crc INTEGER")
+            if "nodes" in need_crc:
+                self.db.executemany("UPDATE nodes SET crc = ? WHERE id = ?", [
+                    (node_crc(nid, parent, start, tokens), nid) for nid, parent, start, tokens
+                    in self.db.execute("SELECT id, parent, start, tokens FROM nodes")])
+            if "layers" in need_crc:
+                self.db.executemany(
+                    "UPDATE layers SET crc = ? WHERE node = ? AND layer = ?",
+                    [(layer_crc(node, layer, version, file, mapping, crcs), node, layer)
+                     for node, layer, version, file, mapping, crcs in self.db.execute(
+                         "SELECT node, layer, version, file, mapping, crcs FROM layers")])
+            if self._meta_value("schema") == 1 or (not self._is_empty()
+                                                    and self._meta_value("next_node_id") is None):
+                top = self.db.execute("SELECT MAX(id) FROM nodes").fetchone()[0]
+                values = {"next_node_id": (top if isinstance(top, int) else 0) + 1}
+                if self._meta_value("schema") == 1:
+                    values["schema"] = SCHEMA_VERSION
+                self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                    [(k, json.dumps(v)) for k, v in values.items()])
+                log.info("%s: metadata migrated to schema %d", self.path, SCHEMA_VERSION)
+
+    def _meta_value(self, key: str):
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        try:
+            return json.loads(row[0])
+        except (TypeError, ValueError):
+            return None
+
+    def _is_empty(self) -> bool:
+        return not self.db.execute(
+            "SELECT EXISTS(SELECT 1 FROM meta) OR EXISTS(SELECT 1 FROM nodes) "
+            "OR EXISTS(SELECT 1 FROM layers)").fetchone()[0]
+
+    def is_empty(self) -> bool:
+        """No meta, node or layer rows: a new database (or one emptied by damage: the
+        store decides which)."""
+        with self._guard:
+            return self._is_empty()
 
     # -- meta ---------------------------------------------------------------------------
     def get_meta(self) -> dict:
-        return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
+        with self._guard:
+            rows = self.db.execute("SELECT key, value FROM meta").fetchall()
+        out = {}
+        for k, v in rows:
+            try:
+                out[k] = json.loads(v)
+            except (TypeError, ValueError):
+                raise MetadataError(f"{self.path}: damaged meta value for {k!r}") from None
+        return out
 
     def set_meta(self, values: dict) -> None:
-        with self.transaction():
+        with self.transaction(), self._guard:
             self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                 [(k, json.dumps(v)) for k, v in values.items()])
 
     # -- transactions ---------------------------------------------------------------------
     def transaction(self):
-        return _Transaction(self.db)
+        return _Transaction(self.db, self.path)
 
     # -- nodes ----------------------------------------------------------------------------
     def add_node(self, parent: int | None, start: int, tokens: np.ndarray) -> int:
-        cur = self.db.execute("INSERT INTO nodes (parent, start, tokens) VALUES (?, ?, ?)",
-                              (parent, start, tokens.astype(np.int32).tobytes()))
-        return int(cur.lastrowid)
+        """Insert a node under a fresh id (never one used before, even by a deleted node)."""
+        if not self.db.in_transaction:
+            with self.transaction():
+                return self.add_node(parent, start, tokens)
+        blob = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        with self._guard:
+            counter = self._meta_value("next_node_id")
+            top = self.db.execute("SELECT MAX(id) FROM nodes").fetchone()[0]
+            nid = max(counter if isinstance(counter, int) and not isinstance(counter, bool)
+                      else 1,
+                      (top if isinstance(top, int) else 0) + 1, self._next_floor)
+            self.db.execute(
+                "INSERT INTO nodes (id, parent, start, tokens, crc) VALUES (?, ?, ?, ?, ?)",
+                (nid, parent, int(start), blob, node_crc(nid, parent, int(start), blob)))
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('next_node_id', ?)",
+                            (json.dumps(nid + 1),))
+        self._next_floor = nid + 1
+        return nid
 
     def set_parent(self, node: int, parent: int | None) -> None:
-        self.db.execute("UPDATE nodes SET parent = ? WHERE id = ?", (parent, node))
+        with self._guard:
+            row = self.db.execute("SELECT parent, start, tokens, crc FROM nodes WHERE id = ?",
+                                  (node,)).fetchone()
+            if row is None:
+                return
+            old_parent, start, tokens, crc = row
+            # Re-sign only a row that verified: a damaged one must stay detectably damaged.
+            new = node_crc(node, parent, start, tokens) \
+                if crc is not None and node_crc(node, old_parent, start, tokens) == crc \
+                else None
+            self.db.execute("UPDATE nodes SET parent = ?, crc = ? WHERE id = ?",
+                            (parent, new, node))
 
     def delete_node(self, node: int) -> None:
-        self.db.execute("DELETE FROM layers WHERE node = ?", (node,))
-        self.db.execute("DELETE FROM nodes WHERE id = ?", (node,))
+        with self._guard:
+            self.db.execute("DELETE FROM layers WHERE node = ?", (node,))
+            self.db.execute("DELETE FROM nodes WHERE id = ?", (node,))
 
     def nodes(self):
-        for nid, parent, start, tokens, hits, last in self.db.execute(
-                "SELECT id, parent, start, tokens, hits, last_access FROM nodes ORDER BY id"):
-            yield nid, parent, start, np.frombuffer(tokens, dtype=np.int32), hits, last
+        """NodeRow per node, by id; rows that fail their checks come with valid=False."""
+        with self._guard:
+            rows = self.db.execute("SELECT id, parent, start, tokens, hits, last_access, crc "
+                                   "FROM nodes ORDER BY id").fetchall()
+        for nid, parent, start, tokens, hits, last, crc in rows:
+            problem = None
+            if crc is None:
+                problem = "no row checksum"
+            elif not isinstance(tokens, bytes):
+                problem = "damaged tokens type"
+            elif node_crc(nid, parent, start, tokens) != crc:
+                problem = "row checksum mismatch"
+            elif len(tokens) % 4:
+                problem = f"tokens blob of {len(tokens)} bytes"
+            elif len(tokens) == 0:
+                problem = "no tokens"
+            elif not isinstance(start, int) or start < 0:
+                problem = f"bad start {start!r}"
+            elif parent is not None and (not isinstance(parent, int) or parent == nid):
+                problem = f"bad parent {parent!r}"
+            blob = tokens if isinstance(tokens, bytes) else b""
+            arr = np.frombuffer(blob[:len(blob) // 4 * 4], dtype=np.int32).copy()
+            yield NodeRow(nid, parent, start, arr,
+                          hits if isinstance(hits, int) else 0,
+                          float(last) if isinstance(last, (int, float)) else 0.0,
+                          problem is None, problem)
 
     def touch_nodes(self, rows: list[tuple[int, float, int]]) -> None:
-        self.db.executemany("UPDATE nodes SET hits = ?, last_access = ? WHERE id = ?",
-                            [(h, t, n) for n, t, h in rows])
+        with self._guard:
+            self.db.executemany("UPDATE nodes SET hits = ?, last_access = ? WHERE id = ?",
+                                [(h, t, n) for n, t, h in rows])
 
     # -- layers ---------------------------------------------------------------------------
     def put_layer(self, row: LayerRow) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO layers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (row.node, row.layer, row.version, row.file, mapping_blob(row.mapping),
-             row.crcs.astype(np.uint32).tobytes(), _blob(row.importance), _blob(row.bitmaps),
-             _blob(row.access), _blob(row.ratio)))
+        if not valid_file_name(row.file):
+            raise ValueError(f"not a store file name: {row.file!r}")
+        mapping = mapping_blob(row.mapping)
+        crcs = np.ascontiguousarray(row.crcs, dtype=np.uint32).tobytes()
+        with self._guard:
+            self.db.execute(
+                "INSERT OR REPLACE INTO layers (node, layer, version, file, mapping, crcs, "
+                "importance, bitmaps, access, ratio, crc) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (row.node, row.layer, row.version, row.file, mapping, crcs,
+                 _blob(None if row.importance is None else row.importance.astype(np.float16)),
+                 _blob(row.bitmaps), _blob(row.access), _blob(row.ratio),
+                 layer_crc(row.node, row.layer, row.version, row.file, mapping, crcs)))
 
-    def layers(self, node: int, n_tokens: int) -> list[LayerRow]:
+    def layers(self, node: int, n_tokens: int, n_crcs: int | None = None) -> list[LayerRow]:
+        """The node's layer rows by layer; a row whose hard state fails its checks comes
+        with valid=False, one whose soft state is damaged with soft fields None."""
+        with self._guard:
+            found = self.db.execute(
+                "SELECT layer, version, file, mapping, crcs, importance, bitmaps, access, "
+                "ratio, crc FROM layers WHERE node = ? ORDER BY layer", (node,)).fetchall()
         rows = []
-        for (layer, version, file, mapping, crcs, imp, bitmaps, access, ratio) in self.db.execute(
-                "SELECT layer, version, file, mapping, crcs, importance, bitmaps, access, ratio "
-                "FROM layers WHERE node = ? ORDER BY layer", (node,)):
-            rows.append(LayerRow(
-                node, layer, version, file, mapping_from_blob(mapping, n_tokens),
-                np.frombuffer(crcs, dtype=np.uint32).copy(),
-                None if imp is None else np.frombuffer(imp, dtype=np.float16).astype(np.float32),
-                None if bitmaps is None else np.frombuffer(bitmaps, dtype=np.uint8).copy(),
-                None if access is None else np.frombuffer(access, dtype=np.uint16).copy(),
-                None if ratio is None else np.frombuffer(ratio, dtype=np.uint8).copy()))
+        for (layer, version, file, mapping, crcs, imp, bitmaps, access, ratio, crc) in found:
+            problem = _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens,
+                                   n_crcs)
+            if problem is None:
+                mapping_arr = mapping_from_blob(mapping, n_tokens)
+                crcs_arr = np.frombuffer(crcs, dtype=np.uint32).copy()
+            else:
+                mapping_arr = None
+                crcs_arr = np.zeros(0, np.uint32)
+            soft = _soft_state(imp, bitmaps, access, ratio, n_tokens)
+            # A name that is not a store file name is never handed out, not even to report.
+            rows.append(LayerRow(node, layer, version, file if valid_file_name(file) else "",
+                                 mapping_arr, crcs_arr, *soft, valid=problem is None,
+                                 problem=problem))
         return rows
 
     def put_soft_state(self, rows: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray,
                                               np.ndarray]]) -> None:
         """[(node, layer, importance f32, bitmaps u8, access u16, ratio u8)]."""
-        self.db.executemany(
-            "UPDATE layers SET importance = ?, bitmaps = ?, access = ?, ratio = ? "
-            "WHERE node = ? AND layer = ?",
-            [(imp.astype(np.float16).tobytes(), bm.tobytes(), acc.tobytes(), ratio.tobytes(),
-              node, layer) for node, layer, imp, bm, acc, ratio in rows])
+        with self._guard:
+            self.db.executemany(
+                "UPDATE layers SET importance = ?, bitmaps = ?, access = ?, ratio = ? "
+                "WHERE node = ? AND layer = ?",
+                [(imp.astype(np.float16).tobytes(), bm.tobytes(), acc.tobytes(),
+                  ratio.tobytes(), node, layer) for node, layer, imp, bm, acc, ratio in rows])
 
     def referenced_files(self) -> set[str]:
-        return {f for (f,) in self.db.execute("SELECT file FROM layers")}
+        """Store file names the layer rows name (damaged rows included, so their files are
+        not taken for leftovers); a name that is not a store file name is never returned."""
+        with self._guard:
+            names = self.db.execute("SELECT file FROM layers").fetchall()
+        return {f for (f,) in names if valid_file_name(f)}
 
     def size_bytes(self) -> int:
         """Bytes of the database and its WAL: the metadata overhead."""
-        import os
-
-        return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal")
-                   if os.path.exists(p))
+        total = 0
+        for p in (self.path, self.path + "-wal"):
+            try:
+                total += os.path.getsize(p)
+            except OSError:
+                pass
+        return total
 
     def checkpoint(self) -> None:
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with self._guard:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
-        self.db.close()
+        with self._guard:
+            self.db.close()
 
 
 class _Transaction:
-    def __init__(self, db: sqlite3.Connection):
+    """BEGIN IMMEDIATE ... COMMIT; ROLLBACK on an exception. sqlite3 errors from the body
+    or from COMMIT leave as MetadataError subclasses (MetadataFull for SQLITE_FULL)."""
+
+    def __init__(self, db: sqlite3.Connection, path: str = "metadata"):
         self.db = db
+        self.path = path
 
     def __enter__(self):
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            if _translatable(exc):
+                raise _translate(self.path, exc) from exc
+            raise
         return self.db
 
+    def _rollback(self) -> None:
+        # SQLite rolls some errors back itself (SQLITE_FULL may): roll back only what is
+        # still open, and let no rollback error hide the one that brought us here.
+        if not self.db.in_transaction:
+            return
+        try:
+            self.db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("%s: rollback failed: %s", self.path, _one_line(exc))
+
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+            except sqlite3.Error as err:
+                self._rollback()
+                if _translatable(err):
+                    raise _translate(self.path, err) from err
+                raise
+            return False
+        self._rollback()
+        if _translatable(exc):
+            raise _translate(self.path, exc) from exc
         return False

@@ -131,6 +131,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
 from impress_flexgen.corpus import list_texts, passages
 from impress_flexgen.engine import Engine, FamilyMath, Request, TierSizes, open_store
@@ -474,7 +475,7 @@ class PrefixKV:
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         cfg = ServingConfig(retention=1.0)
         policy = make_policy("full", cfg)
-        tmp = Path(tempfile.mkdtemp(prefix="acc-template-", dir=root))
+        tmp = scratch.make(root, "acctemplate")
         store = open_store(tmp, runtime, cfg, policy, chunk_size=16, probe_format="fp16",
                            reorder_interval=0, direct_io=False)
         try:
@@ -551,7 +552,7 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
     t = ctx.tasks
     is_ref = run.policy == "full" and run.retention == 1.0
     mode = "decode" if decode else "prefill"
-    tmp = Path(tempfile.mkdtemp(prefix="acc-store-", dir=ctx.root))
+    tmp = scratch.make(ctx.root, "accstore")
     store = None
     try:
         if policy.reuse:

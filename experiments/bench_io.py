@@ -38,7 +38,7 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
+from pathlib import Path
 import threading
 import time
 from collections import deque
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 import disk_layout.io as disk_io
+from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     parent = os.path.abspath(args.dir)
     if not os.path.isdir(parent):
         raise UserError(f"--dir {args.dir} is not a directory")
-    workdir = tempfile.mkdtemp(prefix="bench_io-", dir=parent)
+    workdir = str(scratch.make(Path(parent), "benchio"))
     try:
         return run(args, bench, shape, workdir)
     finally:

@@ -35,14 +35,14 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen import scratch
+from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import MODEL_NAMES, resolve
@@ -86,7 +86,7 @@ def parse_args(argv):
     p.add_argument("--cpu-cache-fraction", type=float, default=0.25)
     p.add_argument("--modes", default="random,replayed",
                    help="selection modes to run: random, replayed (default both)")
-    p.add_argument("--budget-s", type=float, default=420.0,
+    p.add_argument("--budget-s", type=finite_float(0, low_open=True), default=420.0,
                    help="skip rows that would end after this many seconds (default 420)")
     p.add_argument("--trace", metavar="PATH", help="a selection trace recorded beforehand")
     p.add_argument("--trace-model", default="smollm2-135m",
@@ -225,7 +225,7 @@ def record_trace(args, wcfg: WorkloadConfig, root: Path, log=print) -> Trace:
         pool = src_cfg.n_prefixes * n_src * kv_bytes_per_token(rt)
         tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         policy = Recorder(cfg)
-        tmp = Path(tempfile.mkdtemp(prefix="trace-store-", dir=root))
+        tmp = scratch.make(root, "tracestore")
         store = open_store(tmp, rt, cfg, policy, reorder_interval=10**9,
                            **run.store_options())
         requests = []

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.engine import Request, TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
                 n_prefixes=1, prefix_tokens=args.prefix_tokens, queries_per_prefix=args.queries,
                 query_tokens=args.query_tokens))
             prefix, queries = wl.prefixes[0], [q for _, q in wl.queries]
-            with tempfile.TemporaryDirectory(dir=root) as work:
+            with scratch.directory(root, "peers") as work:
                 rows, check = measure(rt, wl, root, Path(work), args.rounds)
         notes = []
         if args.sparsity_model:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.engine import TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serving import RunConfig, run_workload
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m experiments.selection_sweep",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--retention", type=float, default=0.25)
+    p.add_argument("--retention", type=finite_float(0, 1, low_open=True), default=0.25)
     p.add_argument("--quick", action="store_true", help="1 prefix x 512 tokens, 2 queries")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)

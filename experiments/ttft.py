@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.engine import TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.workload import WorkloadConfig, build_workload
@@ -56,9 +56,9 @@ def parse_args(argv):
     p.add_argument("--query-tokens", type=int, default=64)
     p.add_argument("--retention", type=float, default=0.25)
     p.add_argument("--chunk-size", type=int, default=16)
-    p.add_argument("--gpu-cache-fraction", type=float, default=0.1,
+    p.add_argument("--gpu-cache-fraction", type=finite_float(0), default=0.1,
                    help="GPU tier capacity as a fraction of the pool's KV bytes")
-    p.add_argument("--cpu-cache-fraction", type=float, default=0.25)
+    p.add_argument("--cpu-cache-fraction", type=finite_float(0), default=0.25)
     p.add_argument("--only", help="comma-separated labels of rows to run (full always runs)")
     p.add_argument("--store-root", help="where the stores go (default: a temp dir on local disk)")
     p.add_argument("--json", metavar="PATH")

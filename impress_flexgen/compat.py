@@ -3,9 +3,11 @@
 FlexGen assumes CUDA. On a machine without it, building an OptLM fails in five places:
 CUDA streams in OptLM.__init__, pinned allocations in TorchDevice.allocate,
 torch.cuda.synchronize in OptLM.sync / TorchDevice.synchronize, the disk copy threads
-(which call torch.cuda.set_device, die, and leave every later join hanging), and .cuda()
-calls in the CPU branch of mha_gen. `apply()` patches exactly these, and only when CUDA is
-absent: on a CUDA machine FlexGen runs as published.
+(which call torch.cuda.set_device, die, and leave every later join hanging), and
+`.cuda().half()` in the CPU branches of mha_gen (inside mha_gen only, on that thread only,
+they keep the tensor where it is, in the layer's compute dtype: fp32 without CUDA).
+`apply()` patches exactly these, and only when CUDA is absent: on a CUDA machine FlexGen
+runs as published.
 
 Independently of CUDA, FlexGen's TorchDisk starts non-daemon copy threads and keeps a
 global reference to itself, so a process that forgets close_copy_threads() hangs at
@@ -103,16 +105,33 @@ def _raise_copy_errors() -> None:
         raise RuntimeError(f"FlexGen disk copy failed: {exc!r}") from exc
 
 
+_in_attention = threading.local()  # .dtype: the compute dtype while this thread is in mha_gen
+
+
+def _tensor_method_in_attention(original, replacement):
+    """`original`, except inside mha_gen on this thread (other threads are unaffected)."""
+    def method(t, *args, **kwargs):
+        dtype = getattr(_in_attention, "dtype", None)
+        if dtype is None:
+            return original(t, *args, **kwargs)
+        return replacement(t, dtype)
+
+    method.__name__ = original.__name__
+    method.__doc__ = original.__doc__
+    return method
+
+
 def _mha_gen_without_cuda(original):
-    def mha_gen(self, *args, **kwargs):
-        # The CPU branch of mha_gen ends in `.cuda().half()`: on a CPU-only machine the
-        # result should simply stay where it is.
-        saved = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *a, **k: t
+    def mha_gen(self, inputs, *args, **kwargs):
+        # The CPU branches of mha_gen end in `.cuda().half()`: on a CPU-only machine the
+        # result stays where it is, in the dtype the layer computes in (fp32 weights would
+        # otherwise meet an fp16 attention output).
+        outer = getattr(_in_attention, "dtype", None)
+        _in_attention.dtype = inputs.data.dtype
         try:
-            return original(self, *args, **kwargs)
+            return original(self, inputs, *args, **kwargs)
         finally:
-            torch.Tensor.cuda = saved
+            _in_attention.dtype = outer
 
     return mha_gen
 
@@ -202,6 +221,9 @@ def apply() -> bool:
     pb.torch = shim
     pb.TorchDevice.allocate = _allocate_unpinned(pb.TorchDevice.allocate)
     pb.TorchDevice.mha_gen = _mha_gen_without_cuda(pb.TorchDevice.mha_gen)
+    torch.Tensor.cuda = _tensor_method_in_attention(torch.Tensor.cuda, lambda t, dtype: t)
+    torch.Tensor.half = _tensor_method_in_attention(torch.Tensor.half,
+                                                    lambda t, dtype: t.to(dtype))
     pb.TorchDisk.synchronize = _synchronize_disk(pb.TorchDisk.synchronize)
     pb.copy_worker_func = cpu_copy_worker
     _applied = True

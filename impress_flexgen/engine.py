@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -40,7 +42,8 @@ from .models.base import dense
 from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
 from .runtime import Runtime
-from .store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
+from .sampling import Sampler, SamplingParams
+from .store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
 from .tiers import ChunkCache, TierConfig
 
 log = logging.getLogger("impress_flexgen.engine")
@@ -58,6 +61,11 @@ class Request:
     # Leading pad tokens of the prefix (the paper-faithful padded workload): they take
     # positions and are stored like any token, but no token attends to them.
     n_pad: int = 0
+    # How tokens are chosen (None: greedy argmax) and which tokens end generation.
+    sampling: SamplingParams | None = None
+    # Called with each new token as it is produced (the first included, a stop token not);
+    # returning False ends generation there (stop strings, a client gone, a deadline).
+    on_token: Callable[[int], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -197,7 +205,9 @@ def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
 
 class Engine:
     def __init__(self, runtime: Runtime, store: PrefixStore | None, policy: ServingPolicy,
-                 tiers: TierSizes = TierSizes()):
+                 tiers: TierSizes = TierSizes(), cache: ChunkCache | None = None):
+        """`cache`: tiers to share with another engine on the same store (default: new
+        tiers of `tiers`' sizes)."""
         if not runtime.policy.sep_layer:
             raise UserError("the serving engine needs FlexGen's sep_layer layout")
         self.rt = runtime
@@ -207,7 +217,10 @@ class Engine:
         self.policy = policy
         self.config = policy.config
         self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
-        self._n_pad = 0   # of the request being served
+        # FlexGen's weight buffers and the policy's per-layer state belong to one request at
+        # a time: requests from several threads take turns through the layers (the store
+        # serves several engines at once).
+        self._serving = threading.Lock()
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
@@ -216,9 +229,9 @@ class Engine:
             if tuple(store.config.probe_heads) != self.probe_kv_heads:
                 raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "
                                 f"the policy probes {self.probe_kv_heads}")
-            store.cache = ChunkCache(TierConfig(tiers.gpu_bytes, tiers.cpu_bytes,
-                                                policy.tier_policy, tiers.alpha, tiers.exclusive),
-                                     gpu_device=self.device)
+            store.cache = cache if cache is not None else ChunkCache(
+                TierConfig(tiers.gpu_bytes, tiers.cpu_bytes, policy.tier_policy, tiers.alpha,
+                           tiers.exclusive), gpu_device=self.device)
         c = self.math
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
 
@@ -228,11 +241,16 @@ class Engine:
             raise UserError("a request needs at least one query token")
         if request.max_new_tokens < 1:
             raise UserError("max_new_tokens must be at least 1")
-        if not 0 <= request.n_pad < len(request.prefix):
+        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
             raise UserError("n_pad must leave at least one real prefix token")
+        if request.on_token is not None:
+            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
         for attempt in range(3):
             try:
-                return self._serve(request, query_logits, recovered=attempt)
+                with self._serving:
+                    if request.on_token is not None:
+                        request.on_token.restart()
+                    return self._serve(request, query_logits, recovered=attempt)
             except CorruptNode as exc:
                 # Never serve corrupt KV: take the node out of service and recompute.
                 self.store.quarantine(exc.node, str(exc))
@@ -240,7 +258,7 @@ class Engine:
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int) -> Response:
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered)
-        self._n_pad = req.n_pad
+        n_pad = req.n_pad
         t_start = time.perf_counter()
         match = None
         use_store = self.store is not None and self.policy.reuse
@@ -259,12 +277,16 @@ class Engine:
             # 2-4. prefill
             kept, new_kv, tail, out_w = self._prefill(
                 new_ids, matched, segments_nodes, stats,
-                n_hidden=len(req.query) if want_query_logits else 1)
+                n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad)
             t0 = time.perf_counter()
             logits = self.math.logits(out_w, tail[-1:]).cpu()
             stats.compute_s += time.perf_counter() - t0
-            first = int(logits[-1].argmax())
+            sampler = Sampler(req.sampling)
+            first = sampler.pick(logits[-1])
             stats.ttft_s = time.perf_counter() - t_start
+            # The first token goes out now; storing the prefix (5.) follows either way.
+            going = first not in sampler.stop_token_ids and \
+                (req.on_token is None or req.on_token(first) is not False)
             if want_query_logits and len(tail) > 1:   # for checks, after the first token
                 logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
 
@@ -277,45 +299,50 @@ class Engine:
                         self.store.insert(req.prefix, matched,
                                           [(k[:, :n_prefix_new], v[:, :n_prefix_new])
                                            for k, v in new_kv])
-                    except StoreFull as exc:
+                    except StoreWriteFailed as exc:
                         log.warning("prefix not stored: %s", exc)
                 stats.store_s = time.perf_counter() - t0
 
             # 6. decode
             tokens, step_logits = [first], [logits[-1]]
-            if req.max_new_tokens > 1:
+            if going and req.max_new_tokens > 1:
                 if req.forced is not None and len(req.forced) < req.max_new_tokens - 1:
                     raise UserError("forced decoding needs max_new_tokens - 1 tokens")
                 if self.config.decode_over == "full" and segments_nodes:
-                    kept = self._full_prefix_context(segments_nodes, new_kv, stats)
+                    kept = self._full_prefix_context(segments_nodes, new_kv, stats, n_pad)
                 t0 = time.perf_counter()
                 pages = self.policy.start_decode(kept, self.math.n_head, self.device)
                 position = len(req.prefix) + len(req.query)
-                moved = 0
+                moved = steps = 0
                 for step in range(req.max_new_tokens - 1):
                     fed = tokens[-1] if req.forced is None else req.forced[step]
                     step_logit = self._decode_step(fed, position + step, kept, pages)
                     step_logits.append(step_logit)
-                    tokens.append(int(step_logit.argmax()))
+                    token = sampler.pick(step_logit)
+                    tokens.append(token)
+                    steps += 1
                     if pages is None:
                         moved += sum(c[0].shape[1] for c in kept) * self.kv_bytes_per_token_layer
-                stats.decode_s_per_token = (time.perf_counter() - t0) / (req.max_new_tokens - 1)
+                    if token in sampler.stop_token_ids or \
+                            (req.on_token is not None and req.on_token(token) is False):
+                        break
+                stats.decode_s_per_token = (time.perf_counter() - t0) / steps
                 if pages is not None:
                     counters = pages.close()
                     moved = counters.bytes_moved + sum(
                         c[0].shape[1] for i, c in enumerate(kept) if not pages.handles(i)) \
-                        * self.kv_bytes_per_token_layer * (req.max_new_tokens - 1)
+                        * self.kv_bytes_per_token_layer * steps
                     stats.decode_select_s = counters.select_s
                     stats.index_build_s = counters.build_s
                     stats.index_recall = counters.recall
-                stats.decode_bytes_per_step = moved / (req.max_new_tokens - 1)
+                stats.decode_bytes_per_step = moved / steps
             return Response(tokens, logits if want_query_logits else None, step_logits, stats)
         finally:
             if match is not None:
                 self.store.release(match)
 
     # -- prefill ----------------------------------------------------------------------------
-    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden):
+    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0):
         """Run all layers over the new tokens; returns per-layer decode context, per-layer
         new (K, V), the final hidden states of the last `n_hidden` positions and the
         output weights that turn them into logits."""
@@ -333,7 +360,7 @@ class Engine:
                 # read while this layer computes.
                 ahead.start(layer + 1)
                 kept_kv, kv = self._layer(layer, hidden, positions, rope, segments_nodes,
-                                          ahead, stats)
+                                          ahead, stats, n_pad)
                 kept.append(kept_kv)
                 new_kv.append(kv)
         finally:
@@ -342,7 +369,7 @@ class Engine:
         stats.layers = self.math.n_layers
         return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
 
-    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats):
+    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats, n_pad):
         """One transformer layer over the new tokens: project, plan, load, attend, MLP.
         Returns this layer's decode context [K, V, mask] and the new tokens' (K, V)."""
         weights = self._weights(1 + 2 * layer, stats)
@@ -352,13 +379,13 @@ class Engine:
         stats.compute_s += time.perf_counter() - t0
 
         prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
-                                                          ahead, stats)
+                                                          ahead, stats, n_pad)
         t0 = time.perf_counter()
         # One pass joins the loaded pieces and converts them to the compute dtype.
         keys = torch.cat([*prefix_k, k_new[0]], dim=1)
         values = torch.cat([*prefix_v, v_new[0]], dim=1)
         s = k_new.shape[2]
-        new_mask = (positions[0] >= self._n_pad)[None].expand(self.math.n_kv_head, s)
+        new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
         mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
         attn = self._attend(q, keys, values, mask, causal_tail=s)
         hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
@@ -367,7 +394,7 @@ class Engine:
         self._mlp(2 + 2 * layer, hidden, stats)
         return [keys, values, mask], (k_new[0], v_new[0])
 
-    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats):
+    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad):
         """The policy's choice of this layer's stored prefix KV, loaded: K and V as lists
         of (KV, m_i, d) pieces on the compute device (to be concatenated) and a (KV, m)
         mask of which tokens each KV head attends."""
@@ -378,7 +405,7 @@ class Engine:
         segments = loader.segments
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
                            self.config, self.probe_heads, self.probe_kv_heads,
-                           loader.read_probe, loader.load, n_pad=self._n_pad)
+                           loader.read_probe, loader.load, n_pad=n_pad)
         t0 = time.perf_counter()
         io_before = stats.probe_s + stats.load_s
         plan = self.policy.plan_layer(ctx)
@@ -386,9 +413,9 @@ class Engine:
         stats.layers_fallback += int(plan.fallback)
         if plan.jaccard is not None:
             stats.jaccard.append(plan.jaccard)
-        return self._gather(plan, segments, loader, ahead, stats)
+        return self._gather(plan, segments, loader, ahead, stats, n_pad)
 
-    def _gather(self, plan: LayerPlan, segments, loader: "_LayerLoader", ahead, stats):
+    def _gather(self, plan: LayerPlan, segments, loader: "_LayerLoader", ahead, stats, n_pad):
         chosen = [np.intersect1d(plan.chunks_k[si], plan.chunks_v[si])
                   for si in range(len(segments))]
         # Every segment's K and V reads go out together; while they are in flight the next
@@ -412,8 +439,8 @@ class Engine:
                 mask = np.ones((self.math.n_kv_head, len(rows)), dtype=bool)
             else:
                 mask = np.asarray(plan.attend[si])[:, logical]
-            if self._n_pad:
-                mask = mask & (seg.start + logical >= self._n_pad)[None]
+            if n_pad:
+                mask = mask & (seg.start + logical >= n_pad)[None]
             masks.append(mask)
             attended += int(mask.any(axis=0).sum())
             if self.store is not None:
@@ -437,7 +464,7 @@ class Engine:
             joined = joined[:, torch.from_numpy(rows).to(joined.device)]
         return [joined.to(self.device, self.dtype)]
 
-    def _full_prefix_context(self, segments_nodes, new_kv, stats):
+    def _full_prefix_context(self, segments_nodes, new_kv, stats, n_pad):
         """Decode over the whole prefix: reload every chunk (after time to first token)."""
         kept = []
         for layer, (k_new, v_new) in enumerate(new_kv):
@@ -452,7 +479,7 @@ class Engine:
                                .to(self.device, self.dtype))
             keys = torch.cat(ks + [k_new], 1)
             values = torch.cat(vs + [v_new], 1)
-            valid = torch.arange(keys.shape[1], device=self.device) >= self._n_pad
+            valid = torch.arange(keys.shape[1], device=self.device) >= n_pad
             kept.append([keys, values, valid[None].expand(keys.shape[0], -1).clone()])
         return kept
 
@@ -773,6 +800,27 @@ class _ReadAhead:
         self.pending.clear()
         self.ready.clear()
         self.loaders.clear()
+
+
+class _Relay:
+    """A request's on_token across the retries of serve(): a retry after corrupt KV was
+    found recomputes from the start and produces the same tokens again (greedy, or the same
+    seed); only those past what the caller already has are passed on."""
+
+    def __init__(self, on_token: Callable[[int], bool]):
+        self.on_token = on_token
+        self.sent = 0      # tokens passed on, over all attempts
+        self.at = 0        # tokens produced in this attempt
+
+    def restart(self) -> None:
+        self.at = 0
+
+    def __call__(self, token: int) -> bool:
+        self.at += 1
+        if self.at <= self.sent:
+            return True
+        self.sent = self.at
+        return self.on_token(token)
 
 
 def _diagonal(s: int, tail: int, device) -> torch.Tensor:

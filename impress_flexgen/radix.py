@@ -25,6 +25,9 @@ class RadixNode:
     layers: list = dataclasses.field(default_factory=list)          # store.LayerEntry per layer
     retired_files: list = dataclasses.field(default_factory=list)   # deleted once unlocked
     live: bool = True
+    # The nodes a split replaced this one with: pinned for as long as this one is, so a
+    # request's matched tokens stay stored until it releases them.
+    successors: list = dataclasses.field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -133,15 +136,27 @@ class RadixTree:
 
     def lock(self, match: PrefixMatch) -> None:
         for node in match.nodes:
-            node.lock_count += 1
+            self.pin(node)
 
     def unlock(self, match: PrefixMatch) -> list[RadixNode]:
         """Release a request's nodes; returns those now unlocked (their retired files can go)."""
-        freed = []
-        for node in match.nodes:
-            node.lock_count -= 1
-            if node.lock_count == 0:
-                freed.append(node)
+        return [freed for node in match.nodes for freed in self.unpin(node)]
+
+    @staticmethod
+    def pin(node: RadixNode) -> None:
+        node.lock_count += 1
+
+    @staticmethod
+    def unpin(node: RadixNode) -> list[RadixNode]:
+        """Drop one pin of `node` and of the nodes splits replaced it with; returns those
+        now unlocked."""
+        freed, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            n.lock_count -= 1
+            if n.lock_count == 0:
+                freed.append(n)
+            stack.extend(n.successors)
         return freed
 
     def evictable_leaves(self) -> list[RadixNode]:

@@ -4,6 +4,7 @@
     python -m impress_flexgen.run --compare recomp,as_like,impress --check
     python -m impress_flexgen.run --model opt-30b --placement 0,100,0,100,100,0 --quick
     python -m impress_flexgen.run --prompt "It is a truth"   # plain generation, no store
+    python -m impress_flexgen.run --requests in.jsonl --output out.jsonl   # through the store
 
 Requests are (prefix, query) pairs cut from public-domain books: a few long prefixes, each
 reused by several queries. The prefix KV lives in a store on local disk (reused by the next
@@ -14,8 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import (ArgumentParser, add_model_args, dtype_arg, placement_arg, run_main,
-                  write_json)
+from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
+                  dtype_arg, int_range, run_main, write_json)
 from .errors import UserError
 from .paths import cache_dir
 
@@ -23,111 +24,70 @@ GB = 1 << 30
 
 
 def parse_args(argv):
-    from policies import POLICY_NAMES
-
     p = ArgumentParser(prog="python -m impress_flexgen.run",
                        description="Serve reused long prefixes from a multi-tier KV store.")
     add_model_args(p, default_model="smollm2-135m")
-    g = p.add_argument_group("serving")
-    g.add_argument("--policy", default="impress",
-                   help=f"{', '.join(POLICY_NAMES)}; impress:itf / impress:itf_ro / impress:all "
-                        "pick an ablation (default impress = impress:all)")
+    g, _ = add_serving_args(p, "default: 10%% of the workload's prefix KV",
+                            "default: 25%% of the workload's prefix KV")
     g.add_argument("--compare", metavar="A,B,...", help="serve the same workload with each policy")
     g.add_argument("--check", action="store_true",
                    help="also serve with full KV and report agreement (KL, top-1) with it")
-    g.add_argument("--retention", type=float, default=0.25, help="fraction of prefix kept (0.25)")
-    g.add_argument("--granularity", choices=("chunk", "token"), default="chunk",
-                   help="select whole chunks (default) or tokens as the paper does")
-    g.add_argument("--threshold", choices=("adaptive", "fixed", "none"), default="none",
-                   help="probe-head agreement test; a failed layer loads its whole prefix "
-                        "(default none: see the README's sensitivity table)")
-    g.add_argument("--probe-heads", default="auto",
-                   help="auto (all heads on grouped-query models, 0,1,2 otherwise), all, group "
-                        "(one per KV group), first:K, random:K, fraction:F, or ids like 0,3,6")
-    g.add_argument("--probe-queries", type=int, default=0, metavar="N",
-                   help="probe with the last N new tokens' queries (default 0: all; fewer "
-                        "costs less and loses accuracy, see the README)")
-    g.add_argument("--probe-stride", type=int, default=1, metavar="K",
-                   help="of the probing queries, every K-th counting back from the last "
-                        "(default 1: all; see the README)")
-    g.add_argument("--probe-every", type=int, default=1, metavar="K",
-                   help="probe every K-th layer, the others reuse its scores (default 1; "
-                        "see the README)")
-    g.add_argument("--prefetch", action="store_true",
-                   help="impress: read the chunks the last query selected a layer ahead "
-                        "(off: on a 2-core CPU it measured slower and read 9%% more)")
-    g.add_argument("--threshold-value", type=float, default=0.85, help="for --threshold fixed")
-    g.add_argument("--adaptive-alpha", type=float, default=0.6, help="t = j^alpha (adaptive)")
-    g.add_argument("--chunk-size", type=int, default=16, help="tokens per chunk, 16-256 (16)")
-    g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
-    g.add_argument("--reorder-interval", type=int, default=50,
-                   help="queries between background reorders (policies that reorder)")
-    g.add_argument("--reorder-by", choices=("importance", "semantic"), default="importance",
-                   help="how a reorder lays a prefix out: by accumulated importance, or in "
-                        "chunks of similar keys (IceCache's semantic pages)")
-    g.add_argument("--reorder-hot-fraction", type=float, default=0.25,
-                   help="share of a prefix's tokens a reorder packs by importance; the rest "
-                        "keep their order (0.25; 1 sorts every token)")
-    g.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per query")
-    t = p.add_argument_group("tiers and placement")
-    t.add_argument("--gpu-cache-gb", type=float, default=None,
-                   help="GPU tier capacity (default: 10%% of the workload's prefix KV)")
-    t.add_argument("--cpu-cache-gb", type=float, default=None,
-                   help="CPU tier capacity (default: 25%% of the workload's prefix KV)")
-    t.add_argument("--disk-capacity-gb", type=float, default=None,
-                   help="store capacity on disk; least valuable prefixes are evicted beyond it")
-    t.add_argument("--store-dir", metavar="DIR",
-                   help="the prefix store (default: the user cache directory); reused by later runs")
-    t.add_argument("--placement", type=placement_arg, default=None,
-                   help="FlexGen placement of weights/cache/activations: gpu, cpu, disk, mixed, "
-                        "or six comma-separated percentages W_GPU,W_CPU,CACHE_GPU,CACHE_CPU,"
-                        "ACT_GPU,ACT_CPU (default gpu: everything on the compute device)")
+    g.add_argument("--max-new-tokens", type=int_range(1), default=8,
+                   help="tokens generated per query")
     w = p.add_argument_group("workload")
-    w.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (4)")
-    w.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per prefix (1024)")
-    w.add_argument("--queries", type=int, default=3, help="measured queries per prefix (3)")
-    w.add_argument("--query-tokens", type=int, default=64, help="tokens per query (64)")
+    w.add_argument("--prefixes", type=int_range(1), default=4, help="distinct shared prefixes (4)")
+    w.add_argument("--prefix-tokens", type=int_range(1), default=1024,
+                   help="tokens per prefix (1024)")
+    w.add_argument("--queries", type=int_range(1), default=3,
+                   help="measured queries per prefix (3)")
+    w.add_argument("--query-tokens", type=int_range(1), default=64, help="tokens per query (64)")
     w.add_argument("--distribution", choices=("shuffle", "zipf", "normal"), default="shuffle",
                    help="how queries pick prefixes")
     w.add_argument("--workload", choices=("natural", "padded"), default="natural",
                    help="natural long text, or short real prefixes left-padded with masked "
                         "pad tokens to --prefix-tokens positions (the paper's setting)")
-    w.add_argument("--real-tokens", type=int, default=512,
+    w.add_argument("--real-tokens", type=int_range(1), default=512,
                    help="real tokens per prefix in the padded workload (512)")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each")
-    gen = p.add_argument_group("plain generation (no store)")
+    gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="generate from this text instead of serving the workload; repeatable")
     src.add_argument("--prompt-ids", action="append", metavar="IDS",
                      help="generate from comma-separated token ids; repeatable")
+    src.add_argument("--requests", metavar="FILE.jsonl",
+                     help="serve your own requests through the store, one JSON object a line: "
+                          '{"prompt": TEXT} or {"messages": [{"role", "content"}, ...]} or '
+                          '{"prompt_ids": [IDS]}, optionally with max_tokens (default '
+                          "--max-new-tokens), temperature (default 0: greedy), top_p, seed, "
+                          "stop (a string or a list) and id")
+    gen.add_argument("--output", metavar="OUT.jsonl",
+                     help="with --requests: write one JSON line per request (id, text, "
+                          "token_ids, finish_reason, stats) here")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefix_tokens, args.queries = 2, 512, 2
         args.real_tokens = min(args.real_tokens, 128)
-    if not 0 < args.retention <= 1:
-        p.error("--retention must be in (0, 1]")
-    if args.workload == "padded" and not 0 < args.real_tokens < args.prefix_tokens:
-        p.error("--real-tokens must be positive and below --prefix-tokens")
-    if not 0 < args.reorder_hot_fraction <= 1:
-        p.error("--reorder-hot-fraction must be in (0, 1]")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be at least 1")
-    if args.probe_queries < 0:
-        p.error("--probe-queries must be 0 (all) or positive")
-    if args.probe_stride < 1 or args.probe_every < 1:
-        p.error("--probe-stride and --probe-every must be positive")
-    for name in ("prefixes", "prefix_tokens", "queries", "query_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("gpu_cache_gb", "cpu_cache_gb", "disk_capacity_gb"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.workload == "padded" and not args.real_tokens < args.prefix_tokens:
+        p.error("--real-tokens must be below --prefix-tokens")
+    if args.prompt is not None and any(text == "" for text in args.prompt):
+        p.error("--prompt is empty: give some text")
+    args.prompt_token_ids = None
+    if args.prompt_ids is not None:
+        try:
+            args.prompt_token_ids = [[int(x) for x in s.split(",") if x.strip()]
+                                     for s in args.prompt_ids]
+        except ValueError:
+            p.error("--prompt-ids takes comma-separated integers")
+        if any(not ids for ids in args.prompt_token_ids):
+            p.error("--prompt-ids is empty: give at least one token id")
+    if args.output is not None and args.requests is None:
+        p.error("--output goes with --requests")
+    if args.requests is not None and (args.compare or args.check):
+        p.error("--requests serves with one --policy (no --compare or --check)")
     names = args.compare.split(",") if args.compare else [args.policy]
-    for name in names:
-        if name.partition(":")[0] not in POLICY_NAMES:
-            p.error(f"unknown policy '{name}'; choose from {', '.join(POLICY_NAMES)}")
+    check_serving_args(p, args, names)
     args.policies = names
     return args
 
@@ -136,23 +96,73 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .runtime import Placement, Runtime, RuntimeConfig
+    from .runtime import Placement, Runtime, RuntimeConfig, resolve_spec
 
     placement = args.placement or Placement.parse("gpu")
     cfg = RuntimeConfig(model=args.model, model_path=args.model_path, placement=placement,
                         offload_dir=args.offload_dir, seed=args.seed, dtype=dtype_arg(args.dtype))
-    with Runtime(cfg) as rt:
+    # Everything that can be refused is refused before the model is built.
+    spec = resolve_spec(cfg)
+    tokenizer = jobs = output = None
+    if args.prompt or args.requests:
+        from .tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(spec)
+    if args.prompt:
+        args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
+    if args.requests is not None:
+        from .service import Frontend, read_requests
+
+        jobs = read_requests(args.requests, Frontend(spec, tokenizer, args.chunk_size),
+                             args.max_new_tokens)
+        claim_store_root(Path(args.store_dir).expanduser() if args.store_dir
+                         else cache_dir() / "stores" / spec.name)
+        output = open_output(args.output)
+        store_root = None
+    elif args.prompt_token_ids is not None:
+        check_prompts(spec, args.prompt_token_ids, args.max_new_tokens)
+        store_root = None
+    else:
+        check_workload(spec, args)
+        store_root = Path(args.store_dir).expanduser() if args.store_dir \
+            else cache_dir() / "stores" / spec.name
+        claim_store_root(store_root)
+    with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"
         weights = f"random (seed {rt.spec.seed})" if rt.spec.random_weights else "real"
         print(f"model {rt.spec.name} ({rt.spec.family}, {rt.spec.config.dtype.__name__}, "
               f"{device}), weights {weights}, built in {rt.load_s:.1f} s")
         print(f"placement: {placement.describe()}")
-        if args.prompt or args.prompt_ids:
+        if jobs is not None:
+            return serve_requests(rt, args, jobs, output)
+        if store_root is None:
             return generate(rt, args)
-        return serve(rt, args)
+        return serve(rt, args, store_root)
 
 
-def serve(rt, args) -> int:
+def check_prompts(spec, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Each prompt is non-empty, within the vocabulary, and fits the model's positions."""
+    from .runtime import check_lengths
+
+    vocab = spec.config.vocab_size
+    for i, ids in enumerate(prompts):
+        what = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        check_lengths(spec, len(ids), max_new_tokens, what=what)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+
+def check_workload(spec, args) -> None:
+    """A request is a whole prefix plus a query, then --max-new-tokens generated."""
+    from .runtime import check_lengths
+
+    check_lengths(spec, args.prefix_tokens + args.query_tokens, args.max_new_tokens,
+                  what=f"a request (--prefix-tokens {args.prefix_tokens} + --query-tokens "
+                       f"{args.query_tokens})")
+
+
+def serve(rt, args, root: Path) -> int:
     from tqdm import tqdm
 
     from .engine import TierSizes
@@ -167,8 +177,6 @@ def serve(rt, args) -> int:
     tiers = TierSizes(
         int(args.gpu_cache_gb * GB) if args.gpu_cache_gb is not None else int(0.10 * pool),
         int(args.cpu_cache_gb * GB) if args.cpu_cache_gb is not None else int(0.25 * pool))
-    root = Path(args.store_dir) if args.store_dir else cache_dir() / "stores" / rt.spec.name
-    claim_store_root(root)
     print(f"workload: {args.prefixes} prefixes x {args.prefix_tokens} tokens from "
           f"{', '.join(sorted(set(wl.sources)))}; {len(wl.queries)} queries of "
           f"{args.query_tokens} tokens ({args.distribution}); prefix KV {pool / 2**20:.1f} MiB")
@@ -178,7 +186,9 @@ def serve(rt, args) -> int:
     names = (["full"] if args.check and "full" not in args.policies else []) + args.policies
     reference = {} if args.check else None
     results, sample = [], {}
-    with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req") as bar:
+    # disable=None: no progress bar when stderr is not a terminal (logs, pipes).
+    with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req",
+              disable=None) as bar:
         for name in names:
             run = RunConfig(name, name, args.retention, args.granularity, args.threshold,
                             args.threshold_value, args.adaptive_alpha, args.probe_heads,
@@ -222,16 +232,16 @@ STORE_ROOT_MARK = ".impress_flexgen-stores"
 
 def claim_store_root(root: Path) -> None:
     """Refuse a directory that holds something other than our stores; mark ours."""
-    if root.exists() and not root.is_dir():
-        raise UserError(f"--store-dir {root} is a file")
-    if root.is_dir() and any(root.iterdir()) and not (root / STORE_ROOT_MARK).exists():
-        raise UserError(f"--store-dir {root} is not empty and was not made by impress_flexgen; "
-                        "choose an empty or new directory")
     try:
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--store-dir {root} is not a directory")
+        if root.is_dir() and any(root.iterdir()) and not (root / STORE_ROOT_MARK).exists():
+            raise UserError(f"--store-dir {root} is not empty and was not made by "
+                            "impress_flexgen; choose an empty or new directory")
         root.mkdir(parents=True, exist_ok=True)
         (root / STORE_ROOT_MARK).touch()
     except OSError as exc:
-        raise UserError(f"cannot use --store-dir {root}: {exc.strerror}") from None
+        raise UserError(f"cannot use --store-dir {root}: {exc.strerror or exc}") from None
 
 
 def _store_name(policy: str, args) -> str:
@@ -269,16 +279,68 @@ def print_summary(results, check: bool) -> None:
           "through the tiers, compute)")
 
 
+def open_output(path: str | None):
+    """The --output file, opened before the model is built (a bad path fails early)."""
+    if path is None:
+        return None
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def serve_requests(rt, args, jobs, output) -> int:
+    """Serve a request file's jobs in order through the store; one output line each."""
+    import json
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from .service import Service, ServiceConfig, ServiceError
+
+    records = []
+    # Every line was checked already; a request file waits as long as its requests take.
+    config = ServiceConfig.from_args(args, timeout_s=float("inf"))
+    try:
+        with Service(config, runtime=rt, tokenizer=rt.tokenizer) as service:
+            print(service.describe()[2])     # policy and store (model, placement: above)
+            with tqdm(total=len(jobs), desc="requests", unit="req", disable=None) as bar:
+                for job in jobs:
+                    try:
+                        done = service.complete(job)
+                    except ServiceError as exc:
+                        raise UserError(f"request {job.id}: {exc.message}") from None
+                    record = done.record()
+                    records.append(record)
+                    if output is not None:
+                        output.write(json.dumps(record) + "\n")
+                        output.flush()
+                    else:
+                        s = done.stats
+                        tqdm.write(f"--- {job.id}: {done.prompt_tokens} prompt tokens "
+                                   f"({s['matched_tokens']} from the store), "
+                                   f"{done.completion_tokens} new ({done.finish_reason}), "
+                                   f"TTFT {s['ttft_s']:.3f} s")
+                        tqdm.write(f"+++ {done.text}")
+                    bar.update(1)
+    finally:
+        if output is not None:
+            output.close()
+    matched = sum(r["stats"]["matched_tokens"] for r in records)
+    prompt = sum(r["prompt_tokens"] for r in records)
+    ttft = [r["stats"]["ttft_s"] for r in records]
+    print(f"{len(records)} requests: {matched} of {prompt} prompt tokens from the store, "
+          f"TTFT mean {np.mean(ttft):.3f} s, P99 {np.percentile(ttft, 99):.3f} s"
+          + (f"; results in {args.output}" if args.output else ""))
+    write_json(args.json, {"model": rt.spec.name, "policy": args.policy, "results": records})
+    return 0
+
+
 def generate(rt, args) -> int:
     records = []
-    tokenizer = None if args.prompt_ids else rt.tokenizer
-    if args.prompt_ids:
-        try:
-            prompts = [[int(x) for x in s.split(",") if x.strip()] for s in args.prompt_ids]
-        except ValueError:
-            raise UserError("--prompt-ids takes comma-separated integers") from None
-    else:
-        prompts = [tokenizer.encode(t) for t in args.prompt]
+    tokenizer = rt.tokenizer if args.prompt else None
+    prompts = args.prompt_token_ids
     for ids in prompts:
         gen = rt.generate([ids], args.max_new_tokens)
         text = tokenizer.decode(gen.new_ids[0]) if tokenizer else None

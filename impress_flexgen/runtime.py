@@ -6,82 +6,25 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import compat, weights
+from . import compat, scratch, weights
 from .errors import UserError
 from .models import ModelSpec, resolve
 from .paths import offload_dir as default_offload_dir
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """FlexGen's six percentages: weights, KV cache and activations on GPU / CPU (rest: disk)."""
-
-    w_gpu: float = 100
-    w_cpu: float = 0
-    cache_gpu: float = 100
-    cache_cpu: float = 0
-    act_gpu: float = 100
-    act_cpu: float = 0
-
-    NAMED = {  # what the CLI's --placement accepts besides six numbers
-        "gpu": (100, 0, 100, 0, 100, 0),
-        "cpu": (0, 100, 0, 100, 100, 0),
-        "disk": (0, 0, 0, 0, 100, 0),
-        "mixed": (30, 40, 30, 40, 100, 0),
-    }
-
-    @classmethod
-    def parse(cls, values) -> "Placement":
-        """A name from NAMED, "a,b,c,d,e,f", or a sequence of six numbers."""
-        if isinstance(values, str):
-            if values in cls.NAMED:
-                values = cls.NAMED[values]
-            elif "," in values:
-                values = values.split(",")
-            else:
-                raise UserError(f"unknown placement '{values}'; use one of "
-                                f"{', '.join(cls.NAMED)} or six comma-separated percentages")
-        try:
-            values = tuple(float(v) for v in values)
-        except ValueError:
-            raise UserError(f"placement percentages must be numbers: {values}") from None
-        if len(values) != 6:
-            raise UserError("a placement is six percentages: "
-                            "W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU")
-        p = cls(*values)
-        for what, gpu, cpu in (("weights", p.w_gpu, p.w_cpu), ("cache", p.cache_gpu, p.cache_cpu),
-                               ("activations", p.act_gpu, p.act_cpu)):
-            if min(gpu, cpu) < 0 or gpu + cpu > 100:
-                raise UserError(f"placement of {what}: GPU {gpu:g}% + CPU {cpu:g}% must be "
-                                "non-negative and at most 100%")
-        if 100 not in (p.act_gpu, p.act_cpu, 100 - p.act_gpu - p.act_cpu):
-            raise UserError("activations must live wholly on one device (FlexGen's rule)")
-        return p
-
-    @property
-    def uses_disk(self) -> bool:
-        return self.w_gpu + self.w_cpu < 100 or self.cache_gpu + self.cache_cpu < 100
-
-    def describe(self) -> str:
-        return (f"weights {self.w_gpu:g}/{self.w_cpu:g}/{100 - self.w_gpu - self.w_cpu:g}, "
-                f"cache {self.cache_gpu:g}/{self.cache_cpu:g}/"
-                f"{100 - self.cache_gpu - self.cache_cpu:g} (GPU/CPU/disk %)")
+from .placement import AUTO, AutoPlacement, Placement, Plan, make_plan  # noqa: F401 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     model: str = "smollm2-135m"
     model_path: str | None = None
-    placement: Placement = Placement()
+    placement: Placement | AutoPlacement = Placement()  # AUTO: chosen from free memory and disk
     offload_dir: str | None = None
     seed: int = 0
     dtype: object = None          # np.float16 / np.float32; None: the model's default
@@ -91,6 +34,10 @@ class RuntimeConfig:
     gpu_batch_size: int = 1
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
+    # Memory the caller will use beside the model (the store's GPU and CPU tiers): the
+    # placement plan leaves it free.
+    gpu_reserve_bytes: int = 0
+    cpu_reserve_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -104,14 +51,24 @@ class Generation:
 
 def make_env(offload_root: Path):
     """FlexGen's ExecutionEnv. Without CUDA the 'GPU' is a separate CPU device object, so
-    every copy FlexGen would make between GPU and CPU still happens (and is tested)."""
+    every copy FlexGen would make between GPU and CPU still happens (and is tested).
+    FlexGen's disk files go to a new scratch directory under `offload_root` (directories
+    left there by killed runs are removed first)."""
     from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
     from flexgen.utils import ExecutionEnv
 
+    try:
+        path = scratch.make(offload_root, "flexgen")
+    except OSError as exc:
+        raise UserError(f"cannot use offload directory {offload_root}: "
+                        f"{exc.strerror or exc}") from None
     gpu = TorchDevice("cuda:0" if torch.cuda.is_available() else "cpu")
     cpu = TorchDevice("cpu")  # created last: FlexGen's global CPU device
-    offload_root.mkdir(parents=True, exist_ok=True)
-    disk = TorchDisk(tempfile.mkdtemp(prefix=f"flexgen-{os.getpid()}-", dir=offload_root))
+    try:
+        disk = TorchDisk(str(path))
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     compat.register_disk(disk)
     return ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
 
@@ -121,6 +78,8 @@ def make_policy(cfg: RuntimeConfig):
     from flexgen.flex_opt import Policy
 
     p = cfg.placement
+    if isinstance(p, AutoPlacement):
+        raise ValueError("make_policy needs a resolved placement (make_plan chooses one)")
     return Policy(
         gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=1,
         w_gpu_percent=p.w_gpu, w_cpu_percent=p.w_cpu,
@@ -137,22 +96,53 @@ def make_policy(cfg: RuntimeConfig):
     )
 
 
+def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
+    """The model `cfg` asks for (config, weights, tokenizer source), nothing built yet; with
+    `check_placement`, a placement this machine cannot hold is refused here (UserError)."""
+    spec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
+    if cfg.max_seq_len is not None and cfg.max_seq_len != spec.config.max_seq_len:
+        if not spec.random_weights:
+            raise UserError("max_seq_len can only be changed for random-weight models")
+        spec = dataclasses.replace(spec, config=dataclasses.replace(
+            spec.config, max_seq_len=cfg.max_seq_len))
+    if check_placement:
+        make_plan(spec, cfg)
+    return spec
+
+
+def check_lengths(spec: ModelSpec, prompt_tokens: int, new_tokens: int,
+                  what: str = "the prompt") -> None:
+    """UserError unless a `prompt_tokens` prompt plus `new_tokens` generated fit the model's
+    positions; checked before anything is built (past them FlexGen fails deep inside)."""
+    if prompt_tokens < 1:
+        raise UserError(f"{what} is empty: it needs at least one token")
+    if new_tokens < 1:
+        raise UserError("at least 1 new token must be generated")
+    limit = spec.config.max_seq_len
+    if prompt_tokens + new_tokens > limit:
+        raise UserError(f"{what}: {prompt_tokens} tokens + {new_tokens} new tokens need "
+                        f"{prompt_tokens + new_tokens} positions, more than {spec.name}'s "
+                        f"{limit}")
+
+
 class Runtime:
     """Owns the devices, the model and the disk threads; close() (or `with`) releases all."""
 
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, spec: ModelSpec | None = None, tokenizer=None):
+        """`spec` (from resolve_spec(cfg)) and `tokenizer`, when the caller has them
+        already, are used instead of resolving and loading them again."""
         compat.apply()
         weights.install()
-        self.cfg = cfg
-        self.spec: ModelSpec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
-        if cfg.max_seq_len is not None and cfg.max_seq_len != self.spec.config.max_seq_len:
-            if not self.spec.random_weights:
-                raise UserError("max_seq_len can only be changed for random-weight models")
-            self.spec = dataclasses.replace(self.spec, config=dataclasses.replace(
-                self.spec.config, max_seq_len=cfg.max_seq_len))
-        self.policy = make_policy(cfg)
-        self.env = make_env(Path(cfg.offload_dir) if cfg.offload_dir else default_offload_dir())
-        self._tokenizer = None
+        self.spec: ModelSpec = spec if spec is not None else resolve_spec(cfg, False)
+        # Planned (and refused if it cannot fit) before anything is allocated or written.
+        self.plan: Plan = make_plan(self.spec, cfg)
+        if self.plan.auto:
+            print(self.plan.describe(), flush=True)
+        self.cfg = dataclasses.replace(cfg, placement=self.plan.placement)
+        self.policy = make_policy(self.cfg)
+        self.env = make_env(Path(cfg.offload_dir).expanduser() if cfg.offload_dir
+                            else default_offload_dir())
+        self._tokenizer = tokenizer
         try:
             t0 = time.perf_counter()
             self.model = self._build()
@@ -167,6 +157,11 @@ class Runtime:
         else:
             from .models.llama import LlamaModel as cls
         return cls(self.spec.config, self.env, self.spec.weight_path, self.policy)
+
+    @property
+    def placement(self) -> Placement:
+        """The placement in use (`auto` resolved by the plan)."""
+        return self.cfg.placement
 
     @property
     def tokenizer(self):

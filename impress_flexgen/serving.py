@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +19,9 @@ import torch
 
 from policies import ServingConfig, make_policy
 
+from . import scratch
 from .engine import Engine, Request, TierSizes, model_shape, open_store
+from .errors import UserError
 from .runtime import Runtime
 from .workload import Workload
 
@@ -101,14 +104,19 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSi
         policy.tier_policy = run.tier_policy
     tmp = None
     if store_dir is None:
-        tmp = Path(tempfile.mkdtemp(prefix="store-", dir=store_root))
+        root = Path(store_root) if store_root is not None else Path(tempfile.gettempdir())
+        try:
+            tmp = scratch.make(root, "store")
+        except OSError as exc:
+            raise UserError(f"cannot make a temporary store in {root}: "
+                            f"{exc.strerror or exc}") from None
     store = None
     try:
         if policy.reuse:
-            store = open_store(store_dir or tmp, runtime, cfg, policy,
-                               disk_capacity_bytes=disk_capacity_bytes,
-                               reorder_interval=reorder_interval or 10**9,
-                               **run.store_options())
+            store = _open_store(store_dir or tmp, runtime, cfg, policy,
+                                disk_capacity_bytes=disk_capacity_bytes,
+                                reorder_interval=reorder_interval or 10**9,
+                                **run.store_options())
         ready = Prepared(Engine(runtime, store, policy, tiers), policy, store)
         for p, prefix in enumerate(workload.prefixes):
             ready.engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
@@ -127,6 +135,16 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSi
             store.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _open_store(path: Path, *args, **kwargs):
+    """open_store, with a directory that cannot be opened (permissions, not a directory, a
+    database SQLite cannot read) reported as a UserError naming it."""
+    try:
+        return open_store(path, *args, **kwargs)
+    except (OSError, sqlite3.DatabaseError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"cannot open the store in {path}: {why}") from None
 
 
 def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,

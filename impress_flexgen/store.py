@@ -36,8 +36,9 @@ import torch
 from disk_layout.format import (ALIGN, LayerFileLayout, align_up, chunk_payload, crc32,
                                 decode_probe, encode_probe, packed_by_default,
                                 probe_supported)
-from disk_layout.io import DiskReader, ShortRead, write_durable
-from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata
+from disk_layout.io import ChecksumMismatch, DiskReader, write_durable
+from disk_layout.metadata import (SCHEMA_VERSION, LayerRow, Metadata, MetadataError,
+                                  MetadataFull, valid_file_name)
 
 from .errors import UserError
 from .radix import PrefixMatch, RadixNode, RadixTree
@@ -47,15 +48,22 @@ STORE_FORMAT = "impress_flexgen-prefix-store"
 
 
 class CorruptNode(Exception):
-    """A chunk or probe section failed its CRC, or its file is short or missing."""
+    """A chunk or probe section failed its CRC, or reading its file failed in any way
+    (short, missing, not a regular file, a symbolic link, an I/O error)."""
 
     def __init__(self, node: RadixNode, detail: str):
         super().__init__(f"node {node.id}: {detail}")
         self.node = node
 
 
-class StoreFull(Exception):
-    """No room for new KV even after evicting every unlocked leaf."""
+class StoreWriteFailed(Exception):
+    """New KV could not be committed (the request is still served; its prefix is not
+    stored)."""
+
+
+class StoreFull(StoreWriteFailed):
+    """No room for new KV even after evicting every unlocked leaf, or the disk or the
+    metadata database is full."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +98,9 @@ class StoreConfig:
     direct_io: bool = True
     read_threads: int = 4
     packed: bool | None = None             # chunk layout (disk_layout.format); None: by size
+    # Files of quarantined nodes are kept for inspection up to this many bytes (oldest go
+    # first): a disk that keeps failing must not fill up with evidence.
+    quarantine_bytes: int = 256 << 20
 
     def __post_init__(self):
         if not 16 <= self.chunk_size <= 256 or self.chunk_size % 8:
@@ -102,6 +113,12 @@ class StoreConfig:
             raise UserError("reorder hot fraction must be in (0, 1]")
         if self.reorder_by not in ("importance", "semantic"):
             raise UserError("reorder_by must be importance or semantic")
+        if self.reorder_interval < 0:
+            raise UserError("reorder interval must be 0 (never) or a positive query count")
+        if self.disk_capacity_bytes is not None and self.disk_capacity_bytes < 0:
+            raise UserError("disk capacity must not be negative")
+        if self.quarantine_bytes < 0:
+            raise UserError("quarantine bytes must not be negative")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +196,11 @@ class StoreMetrics:
     reorders: int = 0
     splits: int = 0
     evictions: int = 0
-    corruptions: int = 0
+    corruptions: int = 0          # CRC mismatches and read errors of stored files
+    invalid_rows: int = 0         # metadata rows that failed their checks on open
+    quarantined_nodes: int = 0
     inserts: int = 0
+    insert_retries: int = 0       # inserts redone because the tree changed meanwhile
 
     @property
     def read_amplification(self) -> float:
@@ -235,43 +255,70 @@ class PrefixStore:
         self.packed = packed_by_default(chunk_bytes) if config.packed is None else config.packed
         if any(h >= shape.n_kv_heads for h in config.probe_heads):
             raise UserError(f"probe heads {config.probe_heads} exceed {shape.n_kv_heads} KV heads")
-        self._check_directory()
         self.data_dir = self.dir / "data"
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.quarantine_dir = self.dir / "quarantine"
+        self._check_directory()
         self._lock_fd = self._lock_directory()
+        # One lock for the tree, the statistics, the metadata connection and the metrics.
+        # Held only for bookkeeping: file writes, fsyncs and reads happen outside it.
         self.lock = threading.RLock()
         self._reorder_lock = threading.Lock()
         self.metrics = StoreMetrics()
         self.tree = RadixTree(config.chunk_size)
         self.stats: dict[tuple[int, int], LayerStats] = {}
         self.queries = 0
+        self._reserved = 0      # bytes of files being written for inserts not yet committed
         self.meta = None
         try:
-            self.meta = Metadata(str(self.dir / "store.sqlite"))
-            self._init_meta()
-            self._recover()
-        except BaseException:
+            self._open_metadata()
+        except BaseException as exc:
             if self.meta is not None:
                 self.meta.close()
             os.close(self._lock_fd)
+            # UnicodeError: text in the database that is not what any store writes.
+            if isinstance(exc, (MetadataError, StoreWriteFailed, UnicodeError)):
+                raise UserError(f"store {self.dir}: {exc}; the store was left as it is "
+                                "(move it away or choose another --store-dir)") from None
             raise
         self.reopened = len(self.tree) > 0
         self.reader = DiskReader(config.read_threads, config.direct_io)
         self._reorder = ReorderEngine(self) if config.reorder_interval > 0 else None
         self._closed = False
 
+    def _open_metadata(self) -> None:
+        self._refuse_lost_metadata()
+        self.meta = Metadata(str(self.dir / "store.sqlite"))
+        self._init_meta()
+        self._recover()
+
     # -- opening ------------------------------------------------------------------------
     def _check_directory(self) -> None:
-        if self.dir.exists() and not self.dir.is_dir():
-            raise UserError(f"store directory {self.dir} is a file")
+        if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
+            raise UserError(f"store directory {self.dir} is not a directory")
         if self.dir.is_dir() and any(self.dir.iterdir()) and \
                 not (self.dir / "store.sqlite").exists():
             raise UserError(f"{self.dir} is not empty and holds no impress_flexgen store; "
                             "choose another --store-dir")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        for path in (self.data_dir, self.quarantine_dir):
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise UserError(f"{path} is not a directory; the store was left as it is")
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # Root ignores permission bits: only a real write proves the directory writable.
+            probe = self.dir / f".write-test-{os.getpid()}-{threading.get_ident()}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise UserError(f"cannot write the store directory {self.dir}: "
+                            f"{exc.strerror or exc}") from None
 
     def _lock_directory(self) -> int:
-        fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open {self.dir / 'store.lock'}: "
+                            f"{exc.strerror or exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -279,14 +326,33 @@ class PrefixStore:
             raise UserError(f"store {self.dir} is in use by another process") from None
         return fd
 
+    def _data_entries(self) -> list[str]:
+        return [e.name for e in os.scandir(self.data_dir)]
+
+    def _refuse_lost_metadata(self) -> None:
+        """A missing or empty database beside data files is damage, not a new store:
+        opening it as new would delete every file recovery finds unreferenced."""
+        db = self.dir / "store.sqlite"
+        empty = not db.exists() or (not db.is_symlink() and db.stat().st_size == 0)
+        if empty and self._data_entries():
+            raise UserError(f"store {self.dir}: store.sqlite is missing or empty but data/ "
+                            "holds files; the store was left as it is (move it away or "
+                            "choose another --store-dir)")
+        if db.is_symlink():
+            raise UserError(f"store {self.dir}: store.sqlite is a symbolic link; refused")
+
     def _init_meta(self) -> None:
         want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
                 "model": dataclasses.asdict(self.shape), "chunk_size": self.config.chunk_size,
                 "probe_heads": list(self.config.probe_heads),
                 "probe_format": self.config.probe_format, "packed": self.packed}
         have = self.meta.get_meta()
-        if not have:
-            self.meta.set_meta(want)
+        if self.meta.is_empty():
+            if self._data_entries():
+                raise UserError(f"store {self.dir}: its database holds nothing but data/ "
+                                "holds files; the store was left as it is (move it away or "
+                                "choose another --store-dir)")
+            self._meta_write(lambda: self.meta.set_meta(want), "initialising the store")
             return
         if have.get("format") != STORE_FORMAT:
             raise UserError(f"{self.dir} holds a database that is not an impress_flexgen store")
@@ -297,33 +363,97 @@ class PrefixStore:
                                 f"not {want[key]}; use another --store-dir")
 
     def _recover(self) -> None:
-        """Load the tree from committed rows; delete files no committed row references."""
-        referenced = self.meta.referenced_files()
-        removed = 0
-        for f in self.data_dir.iterdir():
-            if f.name not in referenced:
-                f.unlink()
-                removed += 1
-        if removed:
-            log.info("removed %d uncommitted files from %s", removed, self.data_dir)
-        pending: dict[int | None, list[RadixNode]] = {}
-        for nid, parent, start, tokens, hits, last in self.meta.nodes():
-            node = RadixNode(nid, None, start, tokens.copy(), hits=hits, last_access=last)
-            rows = self.meta.layers(nid, len(tokens))
-            if len(rows) != self.shape.n_layers:
-                continue  # cannot happen after a committed insert; skip defensively
-            node.layers = [self._entry(row, len(tokens)) for row in rows]
-            for row in rows:
-                self.stats[(nid, row.layer)] = self._stats_from_row(row, len(tokens))
-            pending.setdefault(parent, []).append(node)
-        # Attach parents before children (ids grow with insertion, but splits re-parent).
-        frontier = [None]
+        """Load the tree from committed rows that pass their checks; take nodes that fail
+        them (and the prefixes below them) out of the store; delete files no committed row
+        references."""
+        c = self.config.chunk_size
+        rows_of: dict[int, tuple] = {}
+        bad: dict[int, str] = {}
+        children: dict[int | None, list[int]] = {}
+        for row in self.meta.nodes():
+            nid, parent, start, tokens = row.id, row.parent, row.start, row.tokens
+            children.setdefault(parent, []).append(nid)
+            if not row.valid:
+                bad[nid] = row.problem or "row checksum mismatch"
+                continue
+            if len(tokens) == 0 or len(tokens) % c or start < 0 or start % c:
+                bad[nid] = f"{len(tokens)} tokens at {start}: not whole chunks"
+                continue
+            layout = self._layout(len(tokens))
+            layers = self.meta.layers(nid, len(tokens), n_crcs=1 + 2 * layout.n_chunks)
+            problems = [r.problem or "invalid row" for r in layers if not r.valid]
+            if [r.layer for r in layers] != list(range(self.shape.n_layers)):
+                problems.append(f"{len(layers)} layer rows for {self.shape.n_layers} layers")
+            if problems:
+                bad[nid] = problems[0]
+                continue
+            rows_of[nid] = (row, layers)
+        # Attach parents before children (a child's id may be older than its parent's:
+        # splits re-parent). A node whose parent is missing or bad, or whose start does not
+        # continue its parent's tokens, is unreachable: it goes too.
+        attached: set[int] = set()
+        frontier: list[int | None] = [None]
         while frontier:
             parent_id = frontier.pop()
-            for node in pending.pop(parent_id, []):
-                node.parent = self.tree.nodes.get(parent_id) if parent_id else None
-                self.tree.attach(node)
-                frontier.append(node.id)
+            parent = self.tree.nodes.get(parent_id) if parent_id is not None else None
+            for nid in children.get(parent_id, []):
+                if nid not in rows_of:
+                    continue
+                row, layers = rows_of[nid]
+                expect = parent.end if parent is not None else 0
+                if row.start != expect:
+                    bad[nid] = f"starts at {row.start}, its parent ends at {expect}"
+                    continue
+                node = RadixNode(nid, parent, row.start, row.tokens.copy(), hits=row.hits,
+                                 last_access=row.last_access)
+                node.layers = [self._entry(r, len(row.tokens)) for r in layers]
+                try:
+                    self.tree.attach(node)
+                except ValueError:
+                    bad[nid] = "a sibling starts with the same chunk"
+                    continue
+                for r in layers:
+                    self.stats[(nid, r.layer)] = self._stats_from_row(r, len(row.tokens))
+                attached.add(nid)
+                frontier.append(nid)
+        dropped = [nid for nid, _ in rows_of.items() if nid not in attached] + list(bad)
+        if dropped:
+            self._drop_rows(dropped, bad)
+        referenced = self.meta.referenced_files()
+        removed = 0
+        for entry in os.scandir(self.data_dir):
+            if entry.name in referenced:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                log.warning("store %s: leaving unexpected directory %s alone", self.dir,
+                            entry.path)
+                continue
+            os.unlink(entry.path)       # a link goes, never what it points to
+            removed += 1
+        if removed:
+            log.info("removed %d uncommitted files from %s", removed, self.data_dir)
+
+    def _drop_rows(self, node_ids: list[int], why: dict[int, str]) -> None:
+        """Delete the rows of nodes recovery cannot serve; keep their files for inspection."""
+        names = []
+        for nid in node_ids:
+            names += [r.file for r in self.meta.layers(nid, 0, n_crcs=None)
+                      if valid_file_name(r.file)]
+        for nid in node_ids:
+            if nid in why:
+                log.warning("store %s: node %d not served (%s): its prefix will be recomputed",
+                            self.dir, nid, why[nid])
+        self.metrics.invalid_rows += len(why)
+        self.metrics.quarantined_nodes += len(node_ids)
+
+        def delete():
+            with self.meta.transaction():
+                for nid in node_ids:
+                    self.meta.delete_node(nid)
+        self._meta_write(delete, "dropping damaged rows")
+        for name in names:
+            self._quarantine_file(self.data_dir / name)
+        self._trim_quarantine()
 
     def _layout(self, n_tokens: int) -> LayerFileLayout:
         return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
@@ -335,8 +465,12 @@ class PrefixStore:
                           self._layout(n_tokens), row.mapping, row.crcs)
 
     def _stats_from_row(self, row: LayerRow, n_tokens: int) -> LayerStats:
+        """Soft state from a row; any piece of the wrong size starts fresh (it is a hint)."""
         stats = LayerStats.fresh(n_tokens, self.config.chunk_size)
-        if row.importance is not None and len(row.importance) == n_tokens:
+        sizes = ((row.importance, stats.importance), (row.bitmaps, stats.bitmaps),
+                 (row.access, stats.access), (row.ratio, stats.ratio))
+        if all(have is not None and have.size == want.size for have, want in sizes) and \
+                np.isfinite(row.importance).all():
             stats.importance[:] = row.importance
             stats.bitmaps[:] = row.bitmaps.reshape(stats.bitmaps.shape)
             stats.access[:] = row.access
@@ -392,28 +526,34 @@ class PrefixStore:
         entry, lay = pending.entry, pending.entry.layout
         (run,) = self._wait(entry, pending.node, pending.handle,
                             lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
-        self.metrics.probe_bytes_read += lay.probe_stride
+        with self.lock:
+            self.metrics.probe_bytes_read += lay.probe_stride
         return decode_probe(run.data[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
 
     def _submit(self, entry: LayerEntry, node, extents, checks):
-        """Start reads of `entry`'s file; a missing file raises CorruptNode."""
+        """Start reads of `entry`'s file; any failure to open it raises CorruptNode."""
         try:
             return self.reader.submit(entry.path, extents, checks)
-        except FileNotFoundError as exc:
+        except OSError as exc:
+            self._count_corruption()
             raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
 
     def _wait(self, entry: LayerEntry, node, handle, describe):
         """The runs of a _submit(), read and CRC-checked; a mismatch (described by
-        describe(extent index)), a short file or a missing one raises CorruptNode."""
-        from disk_layout.io import ChecksumMismatch
-
+        describe(extent index)) or any read error (short, EIO, ...) raises CorruptNode."""
         try:
             return self.reader.wait(handle)
         except ChecksumMismatch as exc:
+            self._count_corruption()
             raise CorruptNode(self._node(node, entry), describe(exc.index)) from None
-        except (ShortRead, FileNotFoundError) as exc:
+        except OSError as exc:
+            self._count_corruption()
             raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+
+    def _count_corruption(self) -> None:
+        with self.lock:
+            self.metrics.corruptions += 1
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
         """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each.
@@ -459,7 +599,6 @@ class PrefixStore:
             return {kind: [] for kind in read.ids_of}, 0
 
         def describe(j: int) -> str:
-            self.metrics.corruptions += 1
             i = int(read.order[j])
             return (f"layer {read.entry.layer} {read.kinds[i].upper()} chunk "
                     f"{int(read.all_ids[i])}: CRC mismatch")
@@ -472,8 +611,9 @@ class PrefixStore:
         for kind, ids in read.ids_of.items():
             out[kind] = unsorted[at:at + len(ids)]
             at += len(ids)
-        self.metrics.chunks_read += len(read.all_ids)
-        self.metrics.bytes_read += read.nbytes
+        with self.lock:
+            self.metrics.chunks_read += len(read.all_ids)
+            self.metrics.bytes_read += read.nbytes
         return out, read.nbytes
 
     def _plan_aligned(self, entry: LayerEntry, offs, crcs):
@@ -589,7 +729,8 @@ class PrefixStore:
                 elif i in early:
                     got[j] = early[i]
                     if self.cache is not None:
-                        self.cache.admit(self._key(entry, kind, i), got[j], ratio)
+                        self.cache.admit(self._key(entry, kind, i), got[j], ratio,
+                                         crc=entry.crc(kind, i))
                 else:
                     load.misses.setdefault(kind, []).append((j, i, ratio))
             load.out[kind] = got
@@ -608,7 +749,10 @@ class PrefixStore:
                 for (j, i, ratio), tensor in zip(misses, fresh[kind]):
                     load.out[kind][j] = tensor
                     if self.cache is not None:
-                        self.cache.admit(self._key(load.entry, kind, i), tensor, ratio)
+                        # The CRC goes with the copy: checked before a promotion serves it.
+                        # A node invalidated while this read was in flight is refused.
+                        self.cache.admit(self._key(load.entry, kind, i), tensor, ratio,
+                                         crc=load.entry.crc(kind, i))
         return load.out, load.served
 
     @staticmethod
@@ -668,20 +812,35 @@ class PrefixStore:
         return node is not None and node.layers[entry.layer] is entry
 
     def chunk_ratios(self, entry: LayerEntry, chunk_ids) -> np.ndarray:
-        stats = self.stats.get((entry.node_id, entry.layer))
-        if stats is None:
-            return np.zeros(len(chunk_ids))
-        return stats.ratio[np.asarray(chunk_ids, dtype=np.int64)] / 255.0
+        with self.lock:
+            stats = self.stats.get((entry.node_id, entry.layer))
+            if stats is None:
+                return np.zeros(len(chunk_ids))
+            return stats.ratio[np.asarray(chunk_ids, dtype=np.int64)] / 255.0
 
     def flush_stats(self) -> None:
-        """Persist soft state (importance, bitmaps, counters, ratios) and node hit counts."""
+        """Persist soft state (importance, bitmaps, counters, ratios) and node hit counts.
+        A full database only loses these hints (logged), never KV."""
         with self.lock:
             rows = [(nid, layer, s.importance, s.bitmaps, s.access, s.ratio)
                     for (nid, layer), s in self.stats.items() if nid in self.tree.nodes]
-            with self.meta.transaction():
-                self.meta.put_soft_state(rows)
-                self.meta.touch_nodes([(n.id, n.last_access, n.hits)
-                                       for n in self.tree.nodes.values()])
+            touched = [(n.id, n.last_access, n.hits) for n in self.tree.nodes.values()]
+            try:
+                with self.meta.transaction():
+                    self.meta.put_soft_state(rows)
+                    self.meta.touch_nodes(touched)
+            except MetadataError as exc:
+                log.warning("store %s: statistics not saved: %s", self.dir, exc)
+
+    def _meta_write(self, write, what: str):
+        """Run a metadata write; a full or failing database becomes StoreFull /
+        StoreWriteFailed (the request goes on without storing)."""
+        try:
+            return write()
+        except MetadataFull as exc:
+            raise StoreFull(f"metadata database full while {what}: {exc}") from None
+        except MetadataError as exc:
+            raise StoreWriteFailed(f"metadata write failed while {what}: {exc}") from None
 
     # -- inserting ----------------------------------------------------------------------
     def insert(self, tokens, start: int, kv) -> list[RadixNode]:
@@ -690,71 +849,175 @@ class PrefixStore:
         `kv[layer]` is (K, V), each (kv_heads, n, head_dim) for positions start..start+n,
         n >= end - start. `start` must be chunk-aligned and lie within the stored prefix of
         `tokens` (normally match.length). Returns the nodes now covering tokens[:end].
+
+        Files are written and fsynced with the path pinned but without the store lock, so
+        other requests go on meanwhile; the commit then checks that the tree still looks as
+        it did (another insert, a split or a reorder may have changed it) and otherwise
+        starts again from the new tree.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         c = self.config.chunk_size
         end = len(tokens) // c * c
         if start % c:
             raise ValueError("insert start must be chunk-aligned")
-        with self.lock:
-            match = self.tree.match_prefix(tokens[:end])
-            have = match.length
-            if have < start:
-                raise ValueError(f"insert at {start} but only {have} tokens are stored")
-            if have >= end:
-                return match.nodes
-            # Lock the path so making room never evicts the nodes we attach under.
-            self.tree.lock(match)
+        for _ in range(8):
+            with self.lock:
+                match = self.tree.match_prefix(tokens[:end])
+                have = match.length
+                if have < start:
+                    # Only a quarantine removes a pinned prefix: nothing to attach to now.
+                    raise StoreWriteFailed(f"insert at {start} but only {have} tokens are "
+                                           "stored (removed meanwhile)")
+                if have >= end:
+                    return match.nodes
+                # Pinned: nothing evicts the nodes we read and attach under, or deletes
+                # their files.
+                self.tree.lock(match)
+                last, used = match.segments[-1] if match.segments else (None, 0)
+                split_at = used if last is not None and used < last.n_tokens else None
+                # The layers to split: a reorder may replace them meanwhile, which changes
+                # only their physical order, so the halves (written in logical order) hold.
+                seen = list(last.layers) if split_at is not None else None
             try:
-                parent = None
-                if match.segments:
-                    last, used = match.segments[-1]
-                    parent = self._split(last, used) if used < last.n_tokens else last
-                    if parent is not last:
-                        parent.lock_count += 1
-                        match.segments.append((parent, 0))
-                offset = have - start
-                new_tokens = tokens[have:end]
-                layers = [(k[:, offset:offset + len(new_tokens)],
-                           v[:, offset:offset + len(new_tokens)]) for k, v in kv]
-                node = self._write_node(parent, have, new_tokens, layers)
+                node = self._insert_pinned(tokens[:end], start, kv, match, have, split_at, seen)
             finally:
-                for freed in self.tree.unlock(match):
-                    self._delete_retired(freed)
-            self.metrics.inserts += 1
-            return self.tree.path_to(node)
+                with self.lock:
+                    for freed in self.tree.unlock(match):
+                        self._delete_retired(freed)
+            if node is not None:
+                with self.lock:
+                    return self.tree.path_to(node)
+        raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
 
-    def _write_node(self, parent: RadixNode | None, start: int, tokens: np.ndarray,
-                    layers, mappings=None, stats=None) -> RadixNode:
-        """Write files for a new node (fsynced), then commit its rows, then attach it."""
-        layout = self._layout(len(tokens))
-        self._make_room(self.shape.n_layers * layout.file_bytes)
-        files, rows = [], []
+    def _insert_pinned(self, tokens, start, kv, match: PrefixMatch, have: int,
+                       split_at: int | None, seen) -> RadixNode | None:
+        """Write the files of an insert (and of the split it needs), then commit them if the
+        tree is unchanged; None: it changed, nothing was kept."""
+        last = match.segments[-1][0] if match.segments else None
+        new_tokens = tokens[have:]
+        offset = have - start
+        layers = [(k[:, offset:offset + len(new_tokens)], v[:, offset:offset + len(new_tokens)])
+                  for k, v in kv]
+        layout = self._layout(len(new_tokens))
+        need = self.shape.n_layers * layout.file_bytes
+        if split_at is not None:
+            need += self.shape.n_layers * (self._layout(split_at).file_bytes +
+                                          self._layout(last.n_tokens - split_at).file_bytes)
+        self._make_room(need)       # reserves `need`; given back below
+        names: list[str] = []
         try:
-            for layer, (k, v) in enumerate(layers):
-                mapping = None if mappings is None else mappings[layer]
-                name = f"{uuid.uuid4().hex}.kv"
+            split = None
+            if split_at is not None:
+                split = self._write_split(last, split_at, seen, names)
+            files = self._write_files(layout, layers, names)
+            with self.lock:
+                if self.tree.match_prefix(tokens).segments != match.segments:
+                    self.metrics.insert_retries += 1
+                    return None
+                node = self._commit_insert(last, split, have, new_tokens, layout, files)
+                names = []            # committed: the files are the store's now
+                self.metrics.inserts += 1
+                return node
+        finally:
+            self._discard(names)
+            with self.lock:
+                self._reserved -= need
+
+    def _write_files(self, layout: LayerFileLayout, layers, names: list[str]) -> list:
+        """Write one file per layer (fsynced); [(name, crcs)]. Names go to `names` as they
+        are made, so the caller can remove them if anything fails."""
+        out = []
+        for k, v in layers:
+            name = f"{uuid.uuid4().hex}.kv"
+            names.append(name)
+            try:
                 crcs = self._write_layer_file(self.data_dir / name, layout, k, v)
-                files.append(name)
-                rows.append(LayerRow(0, layer, 1, name, mapping, crcs))
-        except OSError as exc:
-            for name in files:
-                (self.data_dir / name).unlink(missing_ok=True)
-            if exc.errno == errno.ENOSPC:
-                raise StoreFull(f"disk full while writing {self.data_dir}") from None
-            raise
-        with self.meta.transaction():
-            nid = self.meta.add_node(parent.id if parent else None, start, tokens)
-            for row in rows:
-                row.node = nid
-                self.meta.put_layer(row)
-        node = RadixNode(nid, parent, start, tokens.copy(), last_access=time.time())
-        node.layers = [self._entry(row, len(tokens)) for row in rows]
-        for layer in range(len(rows)):
-            self.stats[(nid, layer)] = stats[layer] if stats else \
-                LayerStats.fresh(len(tokens), self.config.chunk_size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise StoreFull(f"disk full while writing {self.data_dir}") from None
+                raise StoreWriteFailed(f"cannot write {self.data_dir}: {exc}") from None
+            out.append((name, crcs))
+        return out
+
+    def _write_split(self, node: RadixNode, at: int, seen, names: list[str]) -> dict:
+        """Rewrite `node` as two nodes split at chunk boundary `at` (files only)."""
+        head, tail = [], []
+        for entry in seen:
+            k, v = self.read_layer(entry, node)
+            head.append((k[:, :at], v[:, :at]))
+            tail.append((k[:, at:], v[:, at:]))
+        head_layout, tail_layout = self._layout(at), self._layout(node.n_tokens - at)
+        return {"node": node, "at": at, "head": (head_layout, self._write_files(head_layout, head, names)),
+                "tail": (tail_layout, self._write_files(tail_layout, tail, names))}
+
+    def _commit_insert(self, last: RadixNode | None, split: dict | None, have: int,
+                       tokens: np.ndarray, layout: LayerFileLayout, files) -> RadixNode:
+        """Under the lock: one transaction makes the split (if any) and the new node visible,
+        then the tree follows."""
+        def commit():
+            with self.meta.transaction():
+                parent_id = last.id if last is not None else None
+                if split is not None:
+                    old = split["node"]
+                    grand = old.parent if old.parent is not self.tree.root else None
+                    head_id = self.meta.add_node(grand.id if grand else None, old.start,
+                                                 old.tokens[:split["at"]])
+                    tail_id = self.meta.add_node(head_id, old.start + split["at"],
+                                                 old.tokens[split["at"]:])
+                    for nid, part in ((head_id, "head"), (tail_id, "tail")):
+                        for layer, (name, crcs) in enumerate(split[part][1]):
+                            self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                    for child in old.children.values():
+                        self.meta.set_parent(child.id, tail_id)
+                    self.meta.delete_node(old.id)
+                    split["ids"] = (head_id, tail_id)
+                    parent_id = head_id
+                nid = self.meta.add_node(parent_id, have, tokens)
+                for layer, (name, crcs) in enumerate(files):
+                    self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                return nid
+
+        nid = self._meta_write(commit, "storing a prefix")
+        parent = last
+        if split is not None:
+            parent = self._apply_split(split)
+        node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time())
+        node.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None, crcs)
+                       for layer, (name, crcs) in enumerate(files)]
+        for layer in range(len(files)):
+            self.stats[(nid, layer)] = LayerStats.fresh(len(tokens), self.config.chunk_size)
         self.tree.attach(node)
         return node
+
+    def _apply_split(self, split: dict) -> RadixNode:
+        """The tree side of a committed split: head and tail replace the node; its
+        statistics are divided between them. Returns the head."""
+        node, at = split["node"], split["at"]
+        halves = []
+        for nid, part, sl, start in ((split["ids"][0], "head", slice(0, at), node.start),
+                                     (split["ids"][1], "tail", slice(at, None), node.start + at)):
+            layout, files = split[part]
+            new = RadixNode(nid, None, start, node.tokens[sl].copy(), hits=node.hits,
+                            last_access=node.last_access)
+            new.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None,
+                                     crcs) for layer, (name, crcs) in enumerate(files)]
+            for layer in range(len(files)):
+                s = LayerStats.fresh(new.n_tokens, self.config.chunk_size)
+                s.importance[:] = self.stats[(node.id, layer)].importance[sl]
+                s.dirty = True
+                self.stats[(nid, layer)] = s
+            # Whoever holds the node holds its halves: nothing evicts them meanwhile.
+            new.lock_count = node.lock_count
+            halves.append(new)
+        node.successors = halves
+        self.tree.replace(node, halves)
+        self._retire_node(node)
+        self.metrics.splits += 1
+        return halves[0]
+
+    def _discard(self, names: list[str]) -> None:
+        for name in names:
+            (self.data_dir / name).unlink(missing_ok=True)
 
     def _write_layer_file(self, path: Path, layout: LayerFileLayout, k_logical: torch.Tensor,
                           v_logical: torch.Tensor, mapping: np.ndarray | None = None) -> np.ndarray:
@@ -780,64 +1043,6 @@ class PrefixStore:
         write_durable(str(path), pieces, layout.file_bytes)
         return np.asarray(crcs, dtype=np.uint32)
 
-    def _split(self, node: RadixNode, at: int) -> RadixNode:
-        """Split `node` at chunk boundary `at`: rewrite both halves, switch in one transaction."""
-        head_tokens, tail_tokens = node.tokens[:at], node.tokens[at:]
-        head_layers, tail_layers, head_stats, tail_stats = [], [], [], []
-        for layer, entry in enumerate(node.layers):
-            k, v = self.read_layer(entry, node)
-            head_layers.append((k[:, :at], v[:, :at]))
-            tail_layers.append((k[:, at:], v[:, at:]))
-            old = self.stats[(node.id, layer)]
-            for part, sl, out in ((head_tokens, slice(0, at), head_stats),
-                                  (tail_tokens, slice(at, None), tail_stats)):
-                s = LayerStats.fresh(len(part), self.config.chunk_size)
-                s.importance[:] = old.importance[sl]
-                s.dirty = True
-                out.append(s)
-        head_layout, tail_layout = self._layout(len(head_tokens)), self._layout(len(tail_tokens))
-        self._make_room(self.shape.n_layers * (head_layout.file_bytes + tail_layout.file_bytes))
-        names = {"head": [], "tail": []}
-        crcs = {"head": [], "tail": []}
-        try:
-            for part, layout, layers in (("head", head_layout, head_layers),
-                                         ("tail", tail_layout, tail_layers)):
-                for k, v in layers:
-                    name = f"{uuid.uuid4().hex}.kv"
-                    names[part].append(name)
-                    crcs[part].append(self._write_layer_file(self.data_dir / name, layout, k, v))
-        except OSError as exc:
-            for name in names["head"] + names["tail"]:
-                (self.data_dir / name).unlink(missing_ok=True)
-            if exc.errno == errno.ENOSPC:
-                raise StoreFull("disk full while splitting a node") from None
-            raise
-        parent = node.parent if node.parent is not self.tree.root else None
-        with self.meta.transaction():
-            head_id = self.meta.add_node(parent.id if parent else None, node.start, head_tokens)
-            tail_id = self.meta.add_node(head_id, node.start + at, tail_tokens)
-            for nid, part in ((head_id, "head"), (tail_id, "tail")):
-                for layer, (name, crc) in enumerate(zip(names[part], crcs[part])):
-                    self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crc))
-            for child in node.children.values():
-                self.meta.set_parent(child.id, tail_id)
-            self.meta.delete_node(node.id)
-        head = RadixNode(head_id, None, node.start, head_tokens.copy(), hits=node.hits,
-                         last_access=node.last_access)
-        tail = RadixNode(tail_id, None, node.start + at, tail_tokens.copy(), hits=node.hits,
-                         last_access=node.last_access)
-        for new, part, layout, stats in ((head, "head", head_layout, head_stats),
-                                         (tail, "tail", tail_layout, tail_stats)):
-            new.layers = [LayerEntry(new.id, layer, 1, str(self.data_dir / name), layout, None,
-                                     crc) for layer, (name, crc) in
-                          enumerate(zip(names[part], crcs[part]))]
-            for layer, s in enumerate(stats):
-                self.stats[(new.id, layer)] = s
-        self.tree.replace(node, [head, tail])
-        self._retire_node(node)
-        self.metrics.splits += 1
-        return head
-
     # -- removing -----------------------------------------------------------------------
     def _retire_node(self, node: RadixNode) -> None:
         node.retired_files.extend(e.path for e in node.layers)
@@ -852,16 +1057,23 @@ class PrefixStore:
         for path in node.retired_files:
             self.reader.forget(path)
             try:
-                os.unlink(path)
+                os.unlink(path)         # a symbolic link goes, never its target
             except FileNotFoundError:
                 pass
+            except OSError as exc:      # e.g. a directory put in its place: left alone
+                log.warning("store %s: cannot remove %s: %s", self.dir, path, exc)
         node.retired_files.clear()
 
     def _remove_subtree(self, node: RadixNode) -> list[RadixNode]:
+        """Delete a node and everything below it: rows first (one transaction), then the
+        tree, the tier copies and, once unlocked, the files."""
         doomed = self.tree.subtree(node)
-        with self.meta.transaction():
-            for n in doomed:
-                self.meta.delete_node(n.id)
+
+        def delete():
+            with self.meta.transaction():
+                for n in doomed:
+                    self.meta.delete_node(n.id)
+        self._meta_write(delete, "removing a prefix")
         for n in reversed(doomed):
             self.tree.detach(n)
             self._retire_node(n)
@@ -881,33 +1093,71 @@ class PrefixStore:
             return victim
 
     def _make_room(self, new_bytes: int) -> None:
+        """Evict until `new_bytes` more fit under the capacity, then reserve them (files
+        being written by concurrent inserts count before they are committed); the caller
+        gives the reservation back (self._reserved -= new_bytes) when done."""
         cap = self.config.disk_capacity_bytes
-        if cap is None:
-            return
-        if new_bytes > cap:
-            raise StoreFull(f"{new_bytes} bytes of KV exceed the store capacity {cap}")
-        while self.disk_bytes() + new_bytes > cap:
-            if self.evict_leaf() is None:
-                raise StoreFull("store capacity reached and every leaf is in use")
+        with self.lock:
+            if cap is not None:
+                if new_bytes > cap:
+                    raise StoreFull(f"{new_bytes} bytes of KV exceed the store capacity {cap}")
+                while self.disk_bytes() + self._reserved + new_bytes > cap:
+                    if self.evict_leaf() is None:
+                        raise StoreFull("store capacity reached and every leaf is in use")
+            self._reserved += new_bytes
 
     def quarantine(self, node: RadixNode, reason: str) -> None:
         """Take a corrupt node (and the prefixes below it, unreachable now) out of service.
 
-        Its files move to quarantine/ for inspection; requests recompute and re-insert.
+        Its files are kept in quarantine/ for inspection (bounded by
+        StoreConfig.quarantine_bytes); requests recompute and re-insert.
         """
         with self.lock:
             if not node.live:
                 return
             log.warning("corrupt KV in store %s, node %d (%s): quarantined, serving by "
                         "recompute", self.dir, node.id, reason)
-            qdir = self.dir / "quarantine"
-            qdir.mkdir(exist_ok=True)
             for entry in node.layers:
-                try:
-                    os.link(entry.path, qdir / os.path.basename(entry.path))
-                except OSError:
-                    pass
-            self._remove_subtree(node)
+                self._quarantine_file(Path(entry.path))
+            self.metrics.quarantined_nodes += 1
+            try:
+                self._remove_subtree(node)
+            except StoreWriteFailed as exc:
+                # Out of service all the same; its rows stay and are caught again on read.
+                log.warning("store %s: rows of quarantined node %d not deleted: %s",
+                            self.dir, node.id, exc)
+                for n in reversed(self.tree.subtree(node)):
+                    self.tree.detach(n)
+                    self._retire_node(n)
+            self._trim_quarantine()
+
+    def _quarantine_file(self, path: Path) -> None:
+        """Keep a hard link to a store file in quarantine/ (a link, never its target)."""
+        try:
+            self.quarantine_dir.mkdir(exist_ok=True)
+            os.link(path, self.quarantine_dir / path.name, follow_symlinks=False)
+        except OSError:
+            pass      # gone, or a link across file systems: nothing to keep
+
+    def _quarantine_files(self) -> list[os.DirEntry]:
+        try:
+            return [e for e in os.scandir(self.quarantine_dir)
+                    if e.is_file(follow_symlinks=False) or e.is_symlink()]
+        except FileNotFoundError:
+            return []
+
+    def quarantine_bytes(self) -> int:
+        return sum(e.stat(follow_symlinks=False).st_size for e in self._quarantine_files())
+
+    def _trim_quarantine(self) -> None:
+        """Delete the oldest quarantined files beyond StoreConfig.quarantine_bytes."""
+        entries = [(e.stat(follow_symlinks=False), e) for e in self._quarantine_files()]
+        total = sum(st.st_size for st, _ in entries)
+        for st, e in sorted(entries, key=lambda x: x[0].st_ctime):
+            if total <= self.config.quarantine_bytes:
+                break
+            os.unlink(e.path)
+            total -= st.st_size
 
     # -- reordering ---------------------------------------------------------------------
     def reorder_node(self, node: RadixNode, layers=None) -> int:
@@ -922,14 +1172,16 @@ class PrefixStore:
             with self.lock:
                 if not node.live:
                     return 0
-                node.lock_count += 1
+                self.tree.pin(node)
             try:
                 return self._reorder_pinned(node, layers)
+            except CorruptNode as exc:
+                self.quarantine(exc.node, str(exc))
+                return 0
             finally:
                 with self.lock:
-                    node.lock_count -= 1
-                    if node.lock_count == 0:
-                        self._delete_retired(node)
+                    for freed in self.tree.unpin(node):
+                        self._delete_retired(freed)
 
     def _reorder_pinned(self, node: RadixNode, layers) -> int:
         done = 0
@@ -964,11 +1216,18 @@ class PrefixStore:
                     continue
                 new = LayerEntry(node.id, layer, old.version + 1, str(self.data_dir / name),
                                  old.layout, order, crcs)
-                stats.relayout(old.mapping, order)
-                with self.meta.transaction():
-                    self.meta.put_layer(LayerRow(node.id, layer, new.version, name, order, crcs,
-                                                 stats.importance, stats.bitmaps, stats.access,
-                                                 stats.ratio))
+                # The statistics follow the new layout only once it is committed.
+                moved = dataclasses.replace(stats, bitmaps=stats.bitmaps.copy(),
+                                            access=stats.access.copy(), ratio=stats.ratio.copy())
+                moved.relayout(old.mapping, order)
+                try:
+                    self._meta_write(lambda: self._commit_layer(new, name, moved), "reordering")
+                except StoreWriteFailed as exc:
+                    os.unlink(self.data_dir / name)
+                    log.warning("reorder of node %d layer %d skipped: %s", node.id, layer, exc)
+                    continue
+                stats.bitmaps[:], stats.access[:], stats.ratio[:] = \
+                    moved.bitmaps, moved.access, moved.ratio
                 node.layers[layer] = new
                 node.retired_files.append(old.path)
                 if self.cache is not None:
@@ -976,6 +1235,12 @@ class PrefixStore:
                 self.metrics.reorders += 1
                 done += 1
         return done
+
+    def _commit_layer(self, new: LayerEntry, name: str, stats: LayerStats) -> None:
+        with self.meta.transaction():
+            self.meta.put_layer(LayerRow(new.node_id, new.layer, new.version, name, new.mapping,
+                                         new.crcs, stats.importance, stats.bitmaps,
+                                         stats.access, stats.ratio))
 
     def _movable_range(self, node: RadixNode, n: int) -> tuple[int, int]:
         """Tokens [lo, hi) a reorder may move: all, or all but the sink chunk (of a node that
@@ -1035,25 +1300,33 @@ class PrefixStore:
 
     # -- sizes and closing ----------------------------------------------------------------
     def disk_bytes(self) -> int:
-        return sum(e.layout.file_bytes for n in self.tree.nodes.values() for e in n.layers)
+        with self.lock:
+            return sum(e.layout.file_bytes for n in self.tree.nodes.values() for e in n.layers)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V payload (no padding, no probe copies)."""
-        return sum(2 * e.layout.n_chunks * e.layout.chunk_bytes
-                   for n in self.tree.nodes.values() for e in n.layers)
+        with self.lock:
+            return sum(2 * e.layout.n_chunks * e.layout.chunk_bytes
+                       for n in self.tree.nodes.values() for e in n.layers)
 
     def probe_bytes(self) -> int:
-        return sum(e.layout.probe_bytes for n in self.tree.nodes.values() for e in n.layers)
+        with self.lock:
+            return sum(e.layout.probe_bytes for n in self.tree.nodes.values() for e in n.layers)
 
     def overheads(self) -> dict:
         self.flush_stats()
-        self.meta.checkpoint()
-        kv = self.kv_bytes()
-        return {"kv_bytes": kv, "metadata_bytes": self.meta.size_bytes(),
-                "probe_bytes": self.probe_bytes(), "file_bytes": self.disk_bytes(),
-                "metadata_fraction": self.meta.size_bytes() / kv if kv else 0.0,
-                "probe_fraction": self.probe_bytes() / kv if kv else 0.0,
-                "padding_fraction": (self.disk_bytes() - kv - self.probe_bytes()) / kv if kv else 0.0}
+        with self.lock:
+            try:
+                self.meta.checkpoint()
+            except MetadataError as exc:
+                log.warning("store %s: WAL checkpoint failed: %s", self.dir, exc)
+            kv, probe, files = self.kv_bytes(), self.probe_bytes(), self.disk_bytes()
+            meta = self.meta.size_bytes()
+        return {"kv_bytes": kv, "metadata_bytes": meta, "probe_bytes": probe,
+                "file_bytes": files, "quarantine_bytes": self.quarantine_bytes(),
+                "metadata_fraction": meta / kv if kv else 0.0,
+                "probe_fraction": probe / kv if kv else 0.0,
+                "padding_fraction": (files - kv - probe) / kv if kv else 0.0}
 
     def close(self) -> None:
         if self._closed:
@@ -1084,14 +1357,17 @@ class ReorderEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._since = 0
+        self._count_lock = threading.Lock()   # requests finish on several threads
         self.thread = threading.Thread(target=self._run, name="kv-reorder", daemon=True)
         self.thread.start()
 
     def note_query(self) -> None:
-        self._since += 1
-        if self._since >= self.interval:
+        with self._count_lock:
+            self._since += 1
+            if self._since < self.interval:
+                return
             self._since = 0
-            self._wake.set()
+        self._wake.set()
 
     def _run(self) -> None:
         while True:

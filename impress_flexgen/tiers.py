@@ -6,6 +6,12 @@ often *and* holds many important tokens saves the most disk I/O, so each chunk i
 frequency x important_ratio**alpha and each tier keeps its highest-scoring chunks. LRU and LFU
 are kept as baselines. Because evicted chunks never need writing back, a GPU eviction is only a
 demotion to CPU (when the chunk beats the CPU minimum) or a drop to disk-only.
+
+Keys (node_id, layer, version, kind, idx) name immutable bytes: the store never reuses a node
+id and bumps the version when it rewrites a layer. Invalidation therefore leaves a tombstone,
+so a disk read that started before it cannot re-admit the stale chunk when it finishes. Each
+copy keeps the CRC-32 its bytes had on disk (when the caller gives one); a CPU copy is checked
+before it is promoted, and every hit with TierConfig.verify_hits.
 """
 from __future__ import annotations
 
@@ -13,10 +19,19 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import logging
 import threading
+import zlib
 from collections.abc import Callable, Hashable
 
 import torch
+
+try:  # libdeflate's CRC-32 through ctypes (no copy, GIL released), when the library loads
+    from disk_layout.io import _crc32_at
+except ImportError:  # pragma: no cover - disk_layout ships with this package
+    _crc32_at = None
+
+log = logging.getLogger("impress_flexgen.tiers")
 
 ChunkKey = Hashable  # (node_id, layer, version, kind, chunk_index)
 _POLICIES = ("score", "lru", "lfu")
@@ -31,6 +46,7 @@ class TierConfig:
     policy: str = "score"     # "score" | "lru" | "lfu"
     alpha: float = 1.2        # exponent on the important-token ratio (score policy)
     exclusive: bool = True    # True: a chunk lives in at most one tier (as in the paper)
+    verify_hits: bool = False  # True: check every hit's CRC (a GPU copy via the host); debug
 
 
 class _Stats:
@@ -44,13 +60,15 @@ class _Stats:
 
 
 class _Resident:
-    __slots__ = ("tensor", "nbytes", "stats", "entry")
+    __slots__ = ("tensor", "nbytes", "stats", "entry", "crc")
 
-    def __init__(self, tensor: torch.Tensor, nbytes: int, stats: _Stats) -> None:
+    def __init__(self, tensor: torch.Tensor, nbytes: int, stats: _Stats,
+                 crc: int | None = None) -> None:
         self.tensor = tensor
         self.nbytes = nbytes
         self.stats = stats
         self.entry: tuple = ()  # the heap entry that is currently valid for this copy
+        self.crc = crc          # CRC-32 of the payload as read from disk; None: unchecked
 
 
 class _Tier:
@@ -70,12 +88,31 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def payload_crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's contiguous bytes (zlib's polynomial; device tensors via the host)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    n = _nbytes(t)
+    if n == 0:
+        return 0
+    if _crc32_at is not None:
+        return int(_crc32_at(0, t.data_ptr(), n))
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
 class ChunkCache:
     """Score-ranked GPU and CPU tiers holding copies of disk chunks. All methods are thread-safe."""
 
     # Bound on remembered statistics: enough to let a re-read chunk earn its way back in,
     # small enough that a long-running server does not grow without limit.
     max_stats: int = 1_000_000
+    # Bound on tombstones: at most this many invalidated node ids, and separately this many
+    # (node, layer) version floors, the least recently set forgotten first (~100 bytes an
+    # entry: some 10 MB each at most). A late admit is refused until this many more nodes (or
+    # floors) have been invalidated after its own; a disk read is in flight for milliseconds.
+    max_tombstones: int = 100_000
 
     def __init__(self, config: TierConfig, gpu_device: torch.device | None = None) -> None:
         if config.policy not in _POLICIES:
@@ -96,6 +133,12 @@ class ChunkCache:
         self._clock = itertools.count(1)
         self._stamp = itertools.count()
         self._drops = 0
+        self._corrupt_copies = 0
+        # Tombstones (see max_tombstones): invalidated nodes, and per node the newest
+        # invalidated version of each layer (that version and older ones are dead).
+        self._dead_nodes: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._dead_versions: collections.OrderedDict[Hashable, dict] = collections.OrderedDict()
+        self._n_dead_versions = 0  # (node, layer) floors held in _dead_versions
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ public API
@@ -104,17 +147,20 @@ class ChunkCache:
 
         The label names the tier that served the hit (what its bytes cost); a CPU hit that
         gets promoted returns ("cpu", its new GPU copy). The tensor is the tier's copy: do not
-        mutate it.
+        mutate it. A copy whose CRC no longer matches (checked before a promotion, and on
+        every hit with verify_hits) is dropped and the lookup is a miss: read disk instead.
+        A key of an invalidated node or version is always a miss.
         """
         with self._lock:
             gpu, cpu = self._gpu, self._cpu
-            if self._off:   # no tier holds anything: only count the misses
+            if self._off or self._dead(key):  # nothing can be held: only count the misses
                 gpu.counters["misses"] += 1
                 cpu.counters["misses"] += 1
                 return None
             self._touch(key, important_ratio)
+            verify = self.config.verify_hits
             res = gpu.chunks.get(key)
-            if res is not None:
+            if res is not None and not (verify and self._corrupt(gpu, key, res)):
                 gpu.counters["hits"] += 1
                 gpu.counters["bytes_served"] += res.nbytes
                 return "gpu", res.tensor
@@ -123,43 +169,69 @@ class ChunkCache:
             if res is None:
                 cpu.counters["misses"] += 1
                 return None
+            victims = self._victims(gpu, res.nbytes, self._score(res.stats))
+            # A promoted copy is served from the GPU for as long as it stays there, unchecked
+            # unless verify_hits: so its source is always checked first.
+            if (victims is not None or verify) and self._corrupt(cpu, key, res):
+                cpu.counters["misses"] += 1
+                return None
             cpu.counters["hits"] += 1
             cpu.counters["bytes_served"] += res.nbytes
-            promoted = self._promote(key, res)
+            promoted = self._promote(key, res, victims) if victims is not None else None
             return "cpu", promoted if promoted is not None else res.tensor
 
-    def admit(self, key: ChunkKey, tensor: torch.Tensor, important_ratio: float) -> str | None:
-        """Offer a chunk just read from disk; returns the tier that took a copy, or None."""
+    def admit(self, key: ChunkKey, tensor: torch.Tensor, important_ratio: float,
+              crc: int | None = None) -> str | None:
+        """Offer a chunk just read from disk; returns the tier that took a copy, or None.
+
+        crc: the CRC-32 of the chunk's payload bytes as stored on disk (payload_crc(tensor)
+        of the bytes read); kept with the copy to check it later. None: never checked.
+        A key of an invalidated node or version is refused (None), even by a read that
+        started before the invalidation.
+        """
         if self._off:
             return None
-        with self._lock:
+        if crc is not None:
+            crc = int(crc) & 0xFFFFFFFF
+        with self._lock:  # the tombstone check and the insert are one step for invalidate()
+            if self._dead(key):
+                return None
             stats = self._touch(key, important_ratio)
             where = self._where(key)
             if where is not None:  # already cached (e.g. a racing reader): nothing to copy
                 return where
             placed = None
             if self._place(self._gpu, key, stats, _nbytes(tensor),
-                           lambda: self._to_gpu(tensor, non_blocking=False)):
+                           lambda: self._to_gpu(tensor, non_blocking=False), crc):
                 placed = "gpu"
             if placed is None or not self.config.exclusive:
                 if self._place(self._cpu, key, stats, _nbytes(tensor),
-                               lambda: self._to_cpu(tensor)):
+                               lambda: self._to_cpu(tensor), crc):
                     placed = placed or "cpu"
             return placed
 
     def invalidate(self, node_id: Hashable) -> int:
-        """Forget every chunk and statistic of a radix node; returns tier copies dropped."""
+        """Forget every chunk and statistic of a radix node and refuse its keys from now on
+        (see max_tombstones); returns tier copies dropped."""
         with self._lock:
-            return self._forget(list(self._by_node.get(node_id, ())))
+            dropped = self._forget(list(self._by_node.get(node_id, ())))
+            if not self._off:
+                self._bury_node(node_id)
+            return dropped
 
     def invalidate_version(self, node_id: Hashable, layer: int, version: int) -> int:
-        """Forget one (node, layer, version); returns tier copies dropped."""
+        """Forget (node, layer) at `version` and every older version, and refuse those keys
+        from now on (see max_tombstones); returns tier copies dropped."""
         with self._lock:
-            keys = [k for k in self._by_node.get(node_id, ()) if k[1] == layer and k[2] == version]
-            return self._forget(keys)
+            keys = [k for k in self._by_node.get(node_id, ()) if k[1] == layer and k[2] <= version]
+            dropped = self._forget(keys)
+            if not self._off and node_id not in self._dead_nodes:
+                self._bury_version(node_id, layer, version)
+            return dropped
 
     def clear(self) -> None:
-        """Drop every cached copy and all statistics (metrics are kept; see reset_metrics)."""
+        """Drop every cached copy and all statistics (metrics are kept; see reset_metrics).
+        Tombstones are kept: reads in flight may still try to admit invalidated chunks."""
         with self._lock:
             for tier in (self._gpu, self._cpu):
                 tier.chunks.clear()
@@ -186,6 +258,7 @@ class ChunkCache:
                 out[tier.name] = dict(tier.counters, used_bytes=tier.used,
                                       capacity_bytes=tier.capacity)
             out["drops"] = self._drops
+            out["corrupt_copies"] = self._corrupt_copies
             return out
 
     def reset_metrics(self) -> None:
@@ -193,6 +266,56 @@ class ChunkCache:
             for tier in (self._gpu, self._cpu):
                 tier.counters = dict.fromkeys(_COUNTERS, 0)
             self._drops = 0
+            self._corrupt_copies = 0
+
+    # ------------------------------------------------------------------ tombstones
+    def _dead(self, key: ChunkKey) -> bool:
+        node = key[0]
+        if node in self._dead_nodes:
+            return True
+        layers = self._dead_versions.get(node)
+        if layers is None:
+            return False
+        newest_dead = layers.get(key[1])
+        return newest_dead is not None and key[2] <= newest_dead
+
+    def _bury_node(self, node_id: Hashable) -> None:
+        self._dead_nodes[node_id] = None
+        self._dead_nodes.move_to_end(node_id)
+        while len(self._dead_nodes) > self.max_tombstones:
+            self._dead_nodes.popitem(last=False)
+        # The node tombstone covers every version of it.
+        layers = self._dead_versions.pop(node_id, None)
+        if layers is not None:
+            self._n_dead_versions -= len(layers)
+
+    def _bury_version(self, node_id: Hashable, layer: int, version: int) -> None:
+        layers = self._dead_versions.get(node_id)
+        if layers is None:
+            layers = self._dead_versions[node_id] = {}
+        else:
+            self._dead_versions.move_to_end(node_id)
+        old = layers.get(layer)
+        if old is None:
+            self._n_dead_versions += 1
+            layers[layer] = version
+        elif version > old:
+            layers[layer] = version
+        while self._n_dead_versions > self.max_tombstones:
+            _, gone = self._dead_versions.popitem(last=False)
+            self._n_dead_versions -= len(gone)
+
+    # ------------------------------------------------------------------ checksums
+    def _corrupt(self, tier: _Tier, key: ChunkKey, res: _Resident) -> bool:
+        """Check a copy against its CRC; a bad one leaves its tier (the caller reads disk)."""
+        if res.crc is None or payload_crc(res.tensor) == res.crc:
+            return False
+        self._remove(tier, key)
+        self._unindex_if_gone(key)
+        self._corrupt_copies += 1
+        log.warning("%s tier copy of chunk %r failed its CRC check; dropped, reading disk",
+                    tier.name, key)
+        return True
 
     # ------------------------------------------------------------------ scoring
     def _score(self, s: _Stats) -> float:
@@ -263,17 +386,17 @@ class ChunkCache:
         return [e[3] for e in taken] if ok else None
 
     def _place(self, tier: _Tier, key: ChunkKey, stats: _Stats, nbytes: int,
-               make_copy: Callable[[], torch.Tensor]) -> bool:
+               make_copy: Callable[[], torch.Tensor], crc: int | None) -> bool:
         victims = self._victims(tier, nbytes, self._score(stats))
         if victims is None:
             return False
         self._evict(tier, victims)
-        self._insert(tier, key, make_copy(), nbytes, stats)
+        self._insert(tier, key, make_copy(), nbytes, stats, crc)
         return True
 
     def _insert(self, tier: _Tier, key: ChunkKey, tensor: torch.Tensor, nbytes: int,
-                stats: _Stats) -> None:
-        res = _Resident(tensor, nbytes, stats)
+                stats: _Stats, crc: int | None) -> None:
+        res = _Resident(tensor, nbytes, stats, crc)
         tier.chunks[key] = res
         tier.used += nbytes
         tier.counters["bytes_in"] += nbytes
@@ -296,7 +419,7 @@ class ChunkCache:
                 if key in self._cpu.chunks:  # inclusive mode: the CPU copy already exists
                     continue
                 if self._place(self._cpu, key, res.stats, res.nbytes,
-                               lambda t=res.tensor: self._to_cpu(t)):
+                               lambda t=res.tensor: self._to_cpu(t), res.crc):
                     self._gpu.counters["demotions"] += 1
                     self._cpu.counters["demotions"] += 1
                 else:
@@ -304,10 +427,8 @@ class ChunkCache:
         for key, _ in removed:
             self._unindex_if_gone(key)
 
-    def _promote(self, key: ChunkKey, res: _Resident) -> torch.Tensor | None:
-        victims = self._victims(self._gpu, res.nbytes, self._score(res.stats))
-        if victims is None:
-            return None
+    def _promote(self, key: ChunkKey, res: _Resident, victims: list[ChunkKey]) -> torch.Tensor:
+        """Copy a CPU-tier chunk to the GPU tier, evicting `victims` (from _victims)."""
         if self.config.exclusive:
             # Leave the CPU tier first so that the demoted GPU minimums can use the space.
             self._remove(self._cpu, key)
@@ -315,7 +436,7 @@ class ChunkCache:
         # Pinned source: the copy may overlap; the caching host allocator keeps the source
         # alive until it completes even though the CPU tier no longer references it.
         gpu_copy = self._to_gpu(res.tensor, non_blocking=self._pin)
-        self._insert(self._gpu, key, gpu_copy, res.nbytes, res.stats)
+        self._insert(self._gpu, key, gpu_copy, res.nbytes, res.stats, res.crc)
         self._gpu.counters["promotions"] += 1
         self._cpu.counters["promotions"] += 1
         return gpu_copy

@@ -9,8 +9,11 @@
 """
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
+from . import scratch
 from .paths import cache_dir
 
 
@@ -38,8 +41,16 @@ def _gguf_tokenizer(gguf_file: Path):
     if (cached / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    cached.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(cached))
+    # The cache only saves the conversion next time: an unwritable cache is no reason to
+    # fail, and a save cut short must never be found as a cached tokenizer.
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with scratch.directory(cached.parent, "tokenizer") as tmp:
+            tok.save_pretrained(str(tmp))
+            os.replace(tmp, cached)
+    except OSError as exc:
+        logging.getLogger("impress_flexgen").warning(
+            "tokenizer not cached in %s: %s", cached, exc.strerror or exc)
     return tok
 
 

@@ -3,16 +3,17 @@
     python -m impress_flexgen.verify --model smollm2-135m [--json out.json]
 
 Greedy generation of each built-in prompt through our FlexGen runtime, once per placement
-(default: weights and KV cache on CPU, then on disk), and through transformers on the same
-weights. Exit status 0 only if every generated token matches.
+(default: the automatic placement, then weights and KV cache on disk), and through
+transformers on the same weights. Exit status 0 only if every generated token matches.
 """
 from __future__ import annotations
 
 import sys
 
-from .cli import ArgumentParser, add_model_args, dtype_arg, placement_arg, run_main, write_json
-from .errors import UserError
-from .runtime import Placement, Runtime, RuntimeConfig
+from .cli import (PLACEMENT_HELP, ArgumentParser, add_model_args, dtype_arg, int_range,
+                  placement_arg, run_main, write_json)
+from .runtime import AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan, \
+    resolve_spec
 from .texts import PROMPTS
 
 
@@ -20,19 +21,13 @@ def parse_args(argv):
     p = ArgumentParser(prog="python -m impress_flexgen.verify", description=__doc__.split("\n\n")[0])
     add_model_args(p, default_model=None)
     p.add_argument("--placement", type=placement_arg, action="append",
-                   help="gpu, cpu, disk, mixed, or six comma-separated percentages "
-                        "W_GPU,W_CPU,CACHE_GPU,CACHE_CPU,ACT_GPU,ACT_CPU; repeatable "
-                        "(default: cpu and disk)")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS),
+                   help=PLACEMENT_HELP + "; repeatable (default: auto, then disk)")
+    p.add_argument("--prompts", type=int_range(1, len(PROMPTS)), default=len(PROMPTS),
                    help=f"how many built-in prompts (1-{len(PROMPTS)}, default all)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--new-tokens", type=int_range(1), default=32,
+                   help="tokens generated per prompt")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    args = p.parse_args(argv)
-    if not 1 <= args.prompts <= len(PROMPTS):
-        p.error(f"--prompts must be between 1 and {len(PROMPTS)}")
-    if args.new_tokens < 1:
-        p.error("--new-tokens must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def compare(ours: list[int], our_logits, theirs: list[int], their_logits):
@@ -47,17 +42,28 @@ def compare(ours: list[int], our_logits, theirs: list[int], their_logits):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    placements = args.placement or [Placement.parse("cpu"), Placement.parse("disk")]
+    placements = args.placement or [AUTO, Placement.parse("disk")]
     base = RuntimeConfig(model=args.model, model_path=args.model_path, seed=args.seed,
                          dtype=dtype_arg(args.dtype), offload_dir=args.offload_dir)
 
-    ours = []  # per placement: (placement, Generation)
+    # Lengths are checked before any model is built.
+    from .tokenizer import load_tokenizer
+
+    spec = resolve_spec(base, check_placement=False)
+    for placement in placements:  # each refused now if it cannot fit, not after the first ran
+        make_plan(spec, RuntimeConfig(**{**base.__dict__, "placement": placement}))
+    tokenizer = load_tokenizer(spec)
+    prompts = [tokenizer.encode(t) for t in PROMPTS[: args.prompts]]
+    for i, ids in enumerate(prompts):
+        check_lengths(spec, len(ids), args.new_tokens, what=f"built-in prompt {i + 1}")
+
+    ours = []  # per placement: (the placement used, its Generations)
     for placement in placements:
-        with Runtime(RuntimeConfig(**{**base.__dict__, "placement": placement})) as rt:
-            prompts = [rt.tokenizer.encode(t) for t in PROMPTS[: args.prompts]]
-            spec = rt.spec
-            ours.append((placement, [rt.generate([p], args.new_tokens, record_logits=True)
-                                     for p in prompts]))
+        with Runtime(RuntimeConfig(**{**base.__dict__, "placement": placement}), spec=spec,
+                     tokenizer=tokenizer) as rt:
+            used = rt.placement.describe() + (" (auto)" if placement is AUTO else "")
+            ours.append((used, [rt.generate([p], args.new_tokens, record_logits=True)
+                                for p in prompts]))
 
     from .reference import greedy, load_reference
 
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
             matched += same
             max_diff = max(max_diff, diff)
             ok &= same == len(ref_ids)
-        per_placement.append({"placement": placement.describe(), "match": ok})
+        per_placement.append({"placement": placement, "match": ok})
 
     result = {
         "model": spec.name,

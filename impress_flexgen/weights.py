@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from . import scratch
 from .errors import UserError
 
 RANDOM_MARKER = "<random-weights"
@@ -37,19 +38,25 @@ def generator_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
-    """Deterministic per (seed, parameter name); lives on generator_device()."""
+def random_tensor(name: str, shape, seed: int, std: float, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic per (seed, parameter name); lives on generator_device(). `out`: a
+    float32 tensor of `shape` there to draw into (the same values, without a second copy
+    of every weight)."""
     device = generator_device()
     leaf = name.rsplit("/", 1)[-1]
+    into = out is not None and out.dtype == torch.float32 == dtype and out.device == device
     if leaf.endswith("norm.weight"):
-        return torch.ones(shape, dtype=dtype, device=device)
+        return out.fill_(1) if into else torch.ones(shape, dtype=dtype, device=device)
     if leaf.endswith(".bias"):
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return out.zero_() if into else torch.zeros(shape, dtype=dtype, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(leaf.encode())) % (2**63))
+    if into:
+        return torch.randn(shape, generator=gen, out=out).mul_(std)
     # Draw in fp32 (fp16 randn is slow or missing on CPU), then cast.
-    out = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
-    return out.to(dtype)
+    values = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+    return values.to(dtype)
 
 
 def parse_random_path(filename: str):
@@ -88,12 +95,20 @@ def init_weight_list(weight_specs, policy, env):
         if random is None:
             if not os.path.exists(filename):
                 raise UserError(f"weight file missing: {filename}")
-            weight.load_from_np_file(filename)
+            if home.device_type == DeviceType.DISK and \
+                    np.load(filename, mmap_mode="r").dtype != np.dtype(dtype):
+                # FlexGen would copy the file as it is: cast it (fp16 files, fp32 compute).
+                weight.load_from_np(np.load(filename).astype(dtype))
+            else:
+                weight.load_from_np_file(filename)
         else:
+            direct = not compress and home.device_type in (DeviceType.CPU, DeviceType.CUDA)
             values = random_tensor(random[2], shape, random[0], random[1],
-                                   np_dtype_to_torch_dtype[dtype])
-            if not compress and home.device_type in (DeviceType.CPU, DeviceType.CUDA):
-                weight.data.copy_(values)
+                                   np_dtype_to_torch_dtype[dtype],
+                                   out=weight.data if direct else None)
+            if direct:
+                if values is not weight.data:  # drawn elsewhere, or in another dtype
+                    weight.data.copy_(values)
             else:  # disk or compressed: through numpy, as FlexGen loads files
                 weight.load_from_np(values.cpu().numpy())
         ret.append(weight)
@@ -134,10 +149,13 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
     final = cache_root / f"{label}-{np.dtype(dtype).name}-{key}"
     if (final / "CONVERTED.json").exists():
         return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = cache_root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        # A scratch directory: one a killed conversion left is removed by the next one.
+        # Renamed into place, it keeps the cache's usual permissions.
+        tmp = scratch.make(cache_root, "convert", mode=0o777)
+    except OSError as exc:
+        raise UserError(f"cannot convert weights into {cache_root}: "
+                        f"{exc.strerror or exc}") from None
     try:
         convert(tmp)
         (tmp / "CONVERTED.json").write_text(json.dumps(

@@ -29,7 +29,7 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
     (["--max-new-tokens", "many"], "invalid int value"),
     (["--model", "opt-tiny", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["--model", "opt-tiny", "--prompt-ids", "1,99999999"], "outside the vocabulary"),
-    (["--model", "opt-tiny", "--dtype", "fp32"], "fp16"),
+    (["--model", "opt-tiny", "--dtype", "fp8"], "invalid choice"),
     (["--policy", "magic"], "unknown policy"),
     (["--compare", "full,nope"], "unknown policy"),
     (["--retention", "0"], "retention"),

@@ -238,7 +238,7 @@ def test_invalidate_drops_the_right_keys_and_frees_bytes():
 def test_metrics_fields_and_reset():
     cache = ChunkCache(TierConfig(gpu_bytes=2 * CHUNK_BYTES, cpu_bytes=2 * CHUNK_BYTES))
     m = cache.metrics
-    assert set(m) == {"gpu", "cpu", "drops"}
+    assert set(m) == {"gpu", "cpu", "drops", "corrupt_copies"}
     for tier in ("gpu", "cpu"):
         assert set(m[tier]) == set(COUNTERS)
     assert m["gpu"]["capacity_bytes"] == 2 * CHUNK_BYTES

@@ -90,6 +90,28 @@ class FlexGenModel:
             pass
 
 
+def allocate_cache(layer, heads: int, head_dim: int, dtype):
+    """A layer's K and V cache for FlexGen's current task, in FlexGen's layout (seq, batch *
+    heads, head_dim) and in `dtype`, on the device its Policy names. A split placement cuts
+    along (batch * heads) in whole multiples of `heads`, as FlexGen's mixed device does."""
+    policy, task, env = layer.policy, layer.task, layer.env
+    shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * heads, head_dim)
+    if policy.cache_gpu_percent == 100:
+        device = env.gpu
+    elif policy.cache_cpu_percent == 100:
+        device = env.cpu
+    elif policy.cache_disk_percent == 100:
+        device = env.disk
+    else:
+        n = shape[1]
+        gpu = int(n * policy.cache_gpu_percent / 100) // heads * heads
+        cpu = (n - gpu if policy.cache_disk_percent == 0 else
+               int(n * policy.cache_cpu_percent / 100) // heads * heads)
+        lens = [gpu, cpu, n - gpu - cpu]
+        return tuple(env.mixed.allocate(shape, dtype, seg_lengths=lens) for _ in range(2))
+    return tuple(device.allocate(shape, dtype) for _ in range(2))
+
+
 def output_logits(compute, hidden: TorchTensor, norm, w_token) -> torch.Tensor:
     """Logits of the last position only: the others are never needed when generating."""
     x = hidden.data[:, -1:, :]

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flexgen import flex_opt
-from flexgen.pytorch_backend import DeviceType, TorchTensor
+from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, dense, output_logits, pick_next_token
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, dense, output_logits, \
+    pick_next_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,28 +205,8 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
         _store_weights(self, weight_home, weight_read_buf, k)
 
     def init_cache_one_gpu_batch(self, cache_home):
-        c, policy, task = self.config, self.policy, self.task
-        shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * c.n_kv_head,
-                 c.head_dim)
-        if policy.cache_gpu_percent == 100:
-            device = self.env.gpu
-        elif policy.cache_cpu_percent == 100:
-            device = self.env.cpu
-        elif policy.cache_disk_percent == 100:
-            device = self.env.disk
-        else:
-            device = self.env.mixed
-        if device.device_type == DeviceType.MIXED:
-            # Split along the (batch * kv head) axis in whole heads, as FlexGen does for OPT.
-            n = shape[1]
-            gpu = int(n * policy.cache_gpu_percent / 100) // c.n_kv_head * c.n_kv_head
-            cpu = (n - gpu if policy.cache_disk_percent == 0 else
-                   int(n * policy.cache_cpu_percent / 100) // c.n_kv_head * c.n_kv_head)
-            lens = [gpu, cpu, n - gpu - cpu]
-            cache = tuple(device.allocate(shape, c.dtype, seg_lengths=lens) for _ in range(2))
-        else:
-            cache = tuple(device.allocate(shape, c.dtype) for _ in range(2))
-        cache_home.store(cache)
+        c = self.config
+        cache_home.store(allocate_cache(self, c.n_kv_head, c.head_dim, c.dtype))
 
     def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
                 cache_write_buf, i, k):
@@ -331,20 +312,22 @@ class LlamaOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
         hidden.val = TorchTensor.create_from_torch(ids, self.compute)
 
 
-def check_policy(policy) -> None:
+def check_policy(config, policy) -> None:
     if policy.compress_cache:
         raise UserError("compressed KV cache is not supported for Llama models")
     if policy.cpu_cache_compute:
         raise UserError("--cpu-cache-compute is not supported for Llama models")
     if policy.attn_sparsity < 1.0:
         raise UserError("attention sparsity is not supported for Llama models")
+    if policy.compress_weight and config.dtype != np.float16:
+        raise UserError("FlexGen's weight compression needs fp16 (--dtype fp16)")
 
 
 class LlamaModel(FlexGenModel, flex_opt.OptLM):
     """FlexGen's OptLM generation loops over Llama layers."""
 
     def __init__(self, config: LlamaConfig, env, weight_path: str, policy):
-        check_policy(policy)
+        check_policy(config, policy)
         self.weight_path = weight_path
         super().__init__(config, env, weight_path, policy)
 

@@ -13,7 +13,7 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, output_logits, pick_next_token
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, output_logits, pick_next_token
 
 PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
 
@@ -85,10 +85,33 @@ class OptOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
         hidden.val = TorchTensor.create_from_torch(ids, self.compute)
 
 
+class OptSelfAttention(flex_opt.SelfAttention):
+    """FlexGen's attention with its KV cache in the model's dtype (FlexGen's is always fp16,
+    which fp32 queries cannot be multiplied with on a split cache)."""
+
+    def init_cache_one_gpu_batch(self, cache_home):
+        if self.policy.compress_cache:
+            return super().init_cache_one_gpu_batch(cache_home)
+        c = self.config
+        cache_home.store(allocate_cache(self, c.n_head, c.input_dim // c.n_head, c.dtype))
+
+
+def check_policy(config: OptConfig, policy) -> None:
+    if config.dtype != np.float16 and (policy.attn_sparsity < 1.0 or policy.compress_cache
+                                       or policy.compress_weight or policy.cpu_cache_compute):
+        raise UserError("FlexGen's sparse attention, compression and CPU cache compute "
+                        "need fp16 (--dtype fp16)")
+
+
 class OptModel(FlexGenModel, flex_opt.OptLM):
     def __init__(self, config: OptConfig, env, weight_path: str, policy):
+        check_policy(config, policy)
         self.weight_path = weight_path
         super().__init__(config, env, weight_path, policy)
+        for layer in self.layers:
+            attention = layer.attention if isinstance(layer, flex_opt.TransformerLayer) else layer
+            if type(attention) is flex_opt.SelfAttention:
+                attention.__class__ = OptSelfAttention
         self.layers[-1].__class__ = OptOutputEmbed
 
 

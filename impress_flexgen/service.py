@@ -1,0 +1,735 @@
+"""Serving your own prompts: the layer under the HTTP server and request files.
+
+    service = Service(ServiceConfig(model="smollm2-135m"))
+    job = service.frontend.build(prompt="It is a truth universally acknowledged")
+    done = service.complete(job)          # Completion(text, token_ids, finish_reason, stats)
+    service.close()
+
+A prompt becomes token ids (plain text, ids, or chat messages through the model's chat
+template). Prefix reuse is automatic: all whole chunks of the prompt but the last token form
+the engine's prefix, so every full chunk is matched against the persistent radix store and
+what was not stored yet is inserted; a shared system prompt or a growing conversation is
+reused by the next request, and by the next process opened on the same store.
+
+Requests wait in a bounded queue in front of one worker thread that owns the engine (the
+engine runs one request at a time through its layers anyway). A full queue refuses at once
+(429); each request has a deadline and a cancel flag (a client that went away), checked as
+every token is produced. Metrics go to a private Prometheus registry.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from .errors import UserError
+from .sampling import SamplingParams
+
+log = logging.getLogger("impress_flexgen.service")
+
+GB = 1 << 30
+MAX_STOP_STRINGS = 4   # as OpenAI's API
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0)
+OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
+
+
+class ServiceError(Exception):
+    """A request that cannot be served as asked: an HTTP status and one line for the user."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+# -- configuration ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    model: str = "smollm2-135m"
+    model_path: str | None = None
+    seed: int = 0                           # of random weights
+    dtype: object = None
+    placement: object = None                # runtime.Placement; None: auto
+    offload_dir: str | None = None
+    run: object = None                      # serving.RunConfig; None: impress, defaults
+    store_root: str | Path | None = None    # None: <cache>/stores/<model>
+    gpu_cache_bytes: int = 256 << 20
+    cpu_cache_bytes: int = 1 << 30
+    disk_capacity_bytes: int | None = None
+    reorder_interval: int = 50
+    queue_size: int = 16                    # requests waiting (the one being served aside)
+    timeout_s: float = 600.0                # per request, from its arrival
+
+    def __post_init__(self):
+        if self.queue_size < 1:
+            raise UserError("the queue must hold at least 1 request")
+        if not self.timeout_s > 0:   # inf: no deadline
+            raise UserError("the request timeout must be a positive number of seconds")
+
+    @classmethod
+    def from_args(cls, args, **overrides) -> "ServiceConfig":
+        """From the flags of cli.add_model_args and cli.add_serving_args."""
+        from .cli import dtype_arg
+        from .serving import RunConfig
+
+        run = RunConfig(args.policy, args.policy, args.retention, args.granularity,
+                        args.threshold, args.threshold_value, args.adaptive_alpha,
+                        args.probe_heads, args.probe_format, args.chunk_size,
+                        reorder_hot_fraction=args.reorder_hot_fraction,
+                        reorder_by=args.reorder_by, probe_queries=args.probe_queries,
+                        probe_stride=args.probe_stride, probe_every=args.probe_every,
+                        prefetch=args.prefetch)
+        fields = dict(
+            model=args.model, model_path=args.model_path, seed=args.seed,
+            dtype=dtype_arg(args.dtype), placement=args.placement,
+            offload_dir=args.offload_dir, run=run, store_root=args.store_dir,
+            disk_capacity_bytes=None if args.disk_capacity_gb is None
+            else int(args.disk_capacity_gb * GB),
+            reorder_interval=args.reorder_interval)
+        if args.gpu_cache_gb is not None:
+            fields["gpu_cache_bytes"] = int(args.gpu_cache_gb * GB)
+        if args.cpu_cache_gb is not None:
+            fields["cpu_cache_bytes"] = int(args.cpu_cache_gb * GB)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def run_config(self):
+        from .serving import RunConfig
+
+        return self.run if self.run is not None else RunConfig("impress", "impress")
+
+    def runtime_config(self):
+        from .runtime import Placement, RuntimeConfig
+
+        placement = self.placement if self.placement is not None else Placement.parse("auto")
+        return RuntimeConfig(model=self.model, model_path=self.model_path, placement=placement,
+                             offload_dir=self.offload_dir, seed=self.seed, dtype=self.dtype)
+
+
+# -- prompts in ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    """One validated request: token ids, how to split them, how to generate."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    id: str = ""
+    chunk_size: int = 16
+
+    def split(self) -> tuple[list[int], list[int]]:
+        """(prefix, query): every whole chunk before the last token is prefix (matched and
+        stored); a prompt shorter than a chunk keeps all but its last token as prefix."""
+        c = self.chunk_size
+        cut = (len(self.ids) - 1) // c * c or len(self.ids) - 1
+        return self.ids[:cut], self.ids[cut:]
+
+
+class Frontend:
+    """Turns what a user sends into a Job, or a ServiceError saying what is wrong. Needs only
+    the model's spec and tokenizer (a request file is checked before the model is built)."""
+
+    def __init__(self, spec, tokenizer, chunk_size: int = 16):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.chunk_size = chunk_size
+        self.lock = threading.Lock()       # one tokenizer, used by several threads
+        eos = getattr(tokenizer.hf, "eos_token_id", None)
+        self.stop_token_ids = (eos,) if isinstance(eos, int) and \
+            0 <= eos < spec.config.vocab_size else ()
+
+    @property
+    def max_positions(self) -> int:
+        return self.spec.config.max_seq_len
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids)
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer.hf, "chat_template", None))
+
+    def chat_ids(self, messages) -> list[int]:
+        if not self.has_chat_template():
+            raise ServiceError(400, f"{self.spec.name} has no chat template; send the prompt "
+                                    "to /v1/completions instead", param="messages")
+        if not isinstance(messages, list) or not messages:
+            raise ServiceError(400, "messages must be a non-empty list", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ServiceError(400, f"messages[{i}] must be an object with a role and "
+                                        "content", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):   # content parts: only text is understood
+                if not all(isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise ServiceError(400, f"messages[{i}].content: only text parts are "
+                                            "supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise ServiceError(400, f"messages[{i}].content must be a string",
+                                   param="messages")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ServiceError(400, f"messages[{i}].role must be system, user or "
+                                        f"assistant (got {m['role']!r})", param="messages")
+            clean.append({"role": m["role"], "content": content})
+        with self.lock:
+            try:
+                text = self.tokenizer.hf.apply_chat_template(clean, tokenize=False,
+                                                             add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - a template's own complaint
+                raise ServiceError(400, f"the chat template refused these messages: {exc}",
+                                   param="messages") from None
+            return self.tokenizer.encode(text)
+
+    def build(self, *, prompt=None, prompt_ids=None, messages=None, max_tokens=None,
+              temperature=None, top_p=None, seed=None, stop=None, id=None,
+              default_max_tokens: int = 16) -> Job:
+        """Exactly one of prompt (text), prompt_ids and messages. Unset sampling fields mean
+        greedy decoding; max_tokens defaults to `default_max_tokens` (less if the model's
+        positions run out)."""
+        given = [name for name, v in (("prompt", prompt), ("prompt_ids", prompt_ids),
+                                      ("messages", messages)) if v is not None]
+        if len(given) != 1:
+            raise ServiceError(400, "give exactly one of prompt, prompt_ids or messages",
+                               param=given[1] if len(given) > 1 else "prompt")
+        what = given[0]
+        if messages is not None:
+            ids = self.chat_ids(messages)
+        elif prompt is not None:
+            if not isinstance(prompt, str):
+                raise ServiceError(400, "prompt must be a string", param="prompt")
+            if not prompt:
+                raise ServiceError(400, "the prompt is empty", param="prompt")
+            ids = self.encode(prompt)
+        else:
+            if not isinstance(prompt_ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+                raise ServiceError(400, "prompt_ids must be a list of integers", param=what)
+            ids = list(prompt_ids)
+            vocab = self.spec.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ServiceError(400, f"token id {bad[0]} is outside the vocabulary "
+                                        f"(0..{vocab - 1})", param=what)
+        if not ids:
+            raise ServiceError(400, "the prompt is empty: it has no tokens", param=what)
+        limit = self.max_positions
+        if len(ids) >= limit:
+            raise ServiceError(400, f"the prompt has {len(ids)} tokens; {self.spec.name} has "
+                                    f"{limit} positions, room for at most {limit - 1} prompt "
+                                    "tokens and 1 new token", param=what,
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, limit - len(ids))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ServiceError(400, f"max_tokens must be an integer of at least 1 (got "
+                                    f"{max_tokens!r})", param="max_tokens")
+        if len(ids) + max_tokens > limit:
+            raise ServiceError(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} need "
+                                    f"{len(ids) + max_tokens} positions, more than "
+                                    f"{self.spec.name}'s {limit}", param="max_tokens",
+                               code="context_length_exceeded")
+        return Job(ids, max_tokens, sampling_params(temperature, top_p, seed,
+                                                   self.stop_token_ids),
+                   stop_strings(stop), id or "", self.chunk_size)
+
+
+def sampling_params(temperature=None, top_p=None, seed=None, stop_token_ids=()) -> SamplingParams:
+    """SamplingParams from user values (None: greedy, whole distribution, no seed)."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ServiceError(400, f"{name} must be a number (got {value!r})", param=name)
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ServiceError(400, f"temperature must be a finite number >= 0 (got {temperature})",
+                           param="temperature")
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ServiceError(400, f"top_p must be in (0, 1] (got {top_p})", param="top_p")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ServiceError(400, f"seed must be an integer (got {seed!r})", param="seed")
+    return SamplingParams(float(temperature or 0.0), float(1.0 if top_p is None else top_p),
+                          seed, tuple(stop_token_ids))
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ServiceError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ServiceError(400, f"at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})",
+                           param="stop")
+    if any(s == "" for s in stops):
+        raise ServiceError(400, "a stop string must not be empty", param="stop")
+    return tuple(stops)
+
+
+# -- text out ----------------------------------------------------------------------------------
+class TextStream:
+    """Incremental detokenization with stop strings. push(token) returns False once a stop
+    string has appeared (the text ends before it). Text that could still turn out to be the
+    start of a stop string, or half of a multi-byte character, is held back until it cannot."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
+                 emit: Callable[[str], None] | None = None):
+        self.decode = decode
+        self.stop = stop
+        self.emit = emit
+        self.ids: list[int] = []
+        self.text = ""           # the final text so far (what has been or will be emitted)
+        self.sent = ""           # what emit() has had
+        self.stopped = False
+
+    def push(self, token: int) -> bool:
+        if self.stopped:
+            return False
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if self.stop:
+            start = max(0, len(self.sent) - max(map(len, self.stop)))
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = text[:min(hits)]
+                self.stopped = True
+                self._send(self.text)
+                return False
+        self.text = text
+        self._send(text[:len(text) - self._held(text)])
+        return True
+
+    def finish(self) -> str:
+        """Emit what was held back (generation is over); the final text."""
+        if not self.stopped:
+            self._send(self.text)
+        return self.text
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of `text` that must wait."""
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        partial = len(text) - len(text.rstrip("\ufffd"))   # an incomplete UTF-8 sequence
+        return max(held, partial)
+
+    def _send(self, upto: str) -> None:
+        # A decode may revise earlier text (bytes completing a character): send only what
+        # extends what was sent.
+        if len(upto) > len(self.sent) and upto.startswith(self.sent):
+            delta, self.sent = upto[len(self.sent):], upto
+            if self.emit is not None:
+                self.emit(delta)
+
+
+@dataclasses.dataclass
+class Completion:
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str            # stop, length, timeout or cancelled
+    prompt_tokens: int
+    stats: dict
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def record(self) -> dict:
+        """The request file's output line."""
+        return {"id": self.id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "stats": self.stats}
+
+
+class Ticket:
+    """A submitted job: its result (a Future), its cancel flag and its deadline."""
+
+    def __init__(self, job: Job, timeout_s: float, listener: Callable[[str], None] | None):
+        self.job = job
+        self.arrived = time.monotonic()
+        self.deadline = self.arrived + timeout_s
+        self.listener = listener
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop at the next token (or skip it, if still queued)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+# -- the service ---------------------------------------------------------------------------------
+class Service:
+    def __init__(self, config: ServiceConfig = ServiceConfig(), runtime=None, tokenizer=None):
+        """Builds the runtime (unless one is given: then it stays the caller's to close),
+        opens the store and starts the worker."""
+        from policies import POLICY_NAMES, make_policy
+
+        from .engine import Engine, TierSizes, open_store
+        from .run import _store_name, claim_store_root
+        from .runtime import Runtime, resolve_spec
+
+        self.config = config
+        run = config.run_config()
+        if run.policy.partition(":")[0] not in POLICY_NAMES:
+            raise UserError(f"unknown policy '{run.policy}'; choose from "
+                            f"{', '.join(POLICY_NAMES)}")
+        self._owns_runtime = runtime is None
+        if runtime is None:
+            rcfg = config.runtime_config()
+            spec = resolve_spec(rcfg)
+            root = self._store_root(spec.name)
+            claim_store_root(root)
+            runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
+        else:
+            root = self._store_root(runtime.spec.name)
+            claim_store_root(root)
+        self.rt = runtime
+        self.store = None
+        try:
+            self.model_name = runtime.spec.name
+            self.frontend = Frontend(runtime.spec, tokenizer or runtime.tokenizer,
+                                     run.chunk_size)
+            self.policy = make_policy(run.policy, run.serving())
+            if run.tier_policy is not None:
+                self.policy.tier_policy = run.tier_policy
+            self.store_dir = root / _store_name(run.policy, run) if self.policy.reuse else None
+            if self.store_dir is not None:
+                try:
+                    self.store = open_store(
+                        self.store_dir, runtime, run.serving(), self.policy,
+                        disk_capacity_bytes=config.disk_capacity_bytes,
+                        reorder_interval=config.reorder_interval, **run.store_options())
+                except OSError as exc:
+                    raise UserError(f"cannot open the store in {self.store_dir}: "
+                                    f"{exc.strerror or exc}") from None
+            self.engine = Engine(runtime, self.store, self.policy,
+                                 TierSizes(config.gpu_cache_bytes, config.cpu_cache_bytes))
+        except BaseException:
+            self._close_store_and_runtime()
+            raise
+        self.created = int(time.time())
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._lock = threading.Lock()
+        self._closing = False
+        self._closed = False
+        self._running = 0
+        self._layers = [0, 0]          # prefix layers served from the store, of them fallen back
+        self._init_metrics()
+        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    def _store_root(self, model_name: str) -> Path:
+        from .paths import cache_dir
+
+        root = self.config.store_root
+        return Path(root).expanduser() if root else cache_dir() / "stores" / model_name
+
+    def describe(self) -> list[str]:
+        """Lines for a user: what is served, from where."""
+        import torch
+
+        spec = self.rt.spec
+        weights = f"random (seed {spec.seed})" if spec.random_weights else "real"
+        device = "cuda" if torch.cuda.is_available() else "cpu only"
+        lines = [f"model {spec.name} ({spec.family}, {spec.config.dtype.__name__}, {device}), "
+                 f"weights {weights}, {spec.config.max_seq_len} positions",
+                 f"placement: {self.rt.cfg.placement.describe()}"]
+        if self.store is None:
+            lines.append(f"policy {self.policy.name}: no store (prefixes are recomputed)")
+        else:
+            held = len(self.store.tree)
+            lines.append(f"policy {self.policy.name}, store {self.store_dir} "
+                         f"({held} stored prefix nodes{', reused' if held else ''}); tiers GPU "
+                         f"{self.config.gpu_cache_bytes / 2**20:.0f} MiB, CPU "
+                         f"{self.config.cpu_cache_bytes / 2**20:.0f} MiB")
+        lines.append(f"queue: {self.config.queue_size} requests, timeout "
+                     f"{self.config.timeout_s:g} s")
+        return lines
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _init_metrics(self) -> None:
+        from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                                       disable_created_metrics)
+
+        disable_created_metrics()   # no *_created series: they only repeat the start time
+        r = self.registry = CollectorRegistry()
+        ns = "impress_flexgen"
+        self.m_ttft = Histogram("ttft_seconds", "Arrival to first token, queueing included",
+                                namespace=ns, registry=r, buckets=TTFT_BUCKETS)
+        self.m_prefill = Histogram("engine_ttft_seconds",
+                                   "Engine time to first token (match, load, compute)",
+                                   namespace=ns, registry=r, buckets=TTFT_BUCKETS)
+        self.m_latency = Histogram("request_seconds", "Arrival to last token", namespace=ns,
+                                   registry=r, buckets=TTFT_BUCKETS)
+        self.m_queue = Gauge("queue_length", "Requests waiting for the engine", namespace=ns,
+                             registry=r)
+        self.m_queue.set_function(self._queue.qsize)
+        self.m_running = Gauge("requests_running", "Requests in the engine", namespace=ns,
+                               registry=r)
+        self.m_running.set_function(lambda: self._running)
+        self.m_requests = Counter("requests", "Requests by outcome", ["outcome"], namespace=ns,
+                                  registry=r)
+        for outcome in OUTCOMES:
+            self.m_requests.labels(outcome)
+        self.m_prompt = Counter("prompt_tokens", "Prompt tokens, by whether the store had "
+                                "their KV (matched) or they were computed", ["source"],
+                                namespace=ns, registry=r)
+        self.m_completion = Counter("completion_tokens", "Generated tokens", namespace=ns,
+                                    registry=r)
+        self.m_bytes = Counter("kv_bytes_read", "Prefix KV bytes read, by tier", ["tier"],
+                               namespace=ns, registry=r)
+        self.m_probe = Counter("probe_bytes_read", "Probe-key bytes read", namespace=ns,
+                               registry=r)
+        for tier in ("gpu", "cpu", "disk"):
+            self.m_bytes.labels(tier)
+        for source in ("matched", "computed"):
+            self.m_prompt.labels(source)
+        self.m_hit = Gauge("tier_hit_ratio", "Chunk hits / accesses of a tier since start",
+                           ["tier"], namespace=ns, registry=r)
+        for tier in ("gpu", "cpu"):
+            self.m_hit.labels(tier).set_function(lambda tier=tier: self._hit_ratio(tier))
+        self.m_store = Gauge("store_bytes", "Bytes of the store's files on disk", namespace=ns,
+                             registry=r)
+        self.m_store.set_function(lambda: self.store.disk_bytes() if self.store else 0)
+        self.m_nodes = Gauge("store_nodes", "Prefix nodes in the store", namespace=ns,
+                             registry=r)
+        self.m_nodes.set_function(lambda: len(self.store.tree) if self.store else 0)
+        self.m_fallback = Gauge("fallback_ratio", "Layers of stored prefixes that fell back "
+                                "to loading the whole prefix, of all such layers",
+                                namespace=ns, registry=r)
+        self.m_fallback.set_function(lambda: self._layers[1] / self._layers[0]
+                                     if self._layers[0] else 0.0)
+
+    def _hit_ratio(self, tier: str) -> float:
+        if self.store is None or self.store.cache is None:
+            return 0.0
+        m = self.store.cache.metrics[tier]
+        total = m.get("hits", 0) + m.get("misses", 0)
+        return m.get("hits", 0) / total if total else 0.0
+
+    def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def count(self, outcome: str) -> None:
+        self.m_requests.labels(outcome).inc()
+
+    # -- requests -----------------------------------------------------------------------------
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def submit(self, job: Job, listener: Callable[[str], None] | None = None) -> Ticket:
+        """Queue a job; `listener` gets the text as it is generated (on the worker thread).
+        ServiceError 429 when the queue is full, 503 once closing."""
+        ticket = Ticket(job, self.config.timeout_s, listener)
+        with self._lock:
+            if self._closing:
+                raise ServiceError(503, "the server is shutting down", kind="server_error",
+                                   code="shutting_down")
+            try:
+                self._queue.put_nowait(ticket)
+            except queue.Full:
+                self.count("rejected")
+                raise ServiceError(429, f"server busy: {self._queue.qsize()} requests "
+                                        "queued; retry later", kind="rate_limit_error",
+                                   code="rate_limit_exceeded") from None
+        return ticket
+
+    def complete(self, job: Job) -> Completion:
+        """Serve one job and wait for it (ServiceError if it could not be served)."""
+        return self.submit(job).future.result()
+
+    def _work(self) -> None:
+        while True:
+            ticket = self._queue.get()
+            if ticket is None:
+                return
+            try:
+                ticket.future.set_result(self._serve(ticket))
+            except ServiceError as exc:
+                ticket.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - one request failed; keep serving
+                log.exception("request failed")
+                self.count("error")
+                ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
+
+    def _serve(self, ticket: Ticket) -> Completion:
+        from .engine import Request
+
+        job = ticket.job
+        started = time.monotonic()
+        if ticket.cancelled:
+            self.count("cancelled")
+            raise ServiceError(499, "the request was cancelled", code="cancelled")
+        if started > ticket.deadline:
+            self.count("timeout")
+            raise ServiceError(504, f"the request waited longer than the "
+                                    f"{self.config.timeout_s:g} s timeout", code="timeout",
+                               kind="timeout_error")
+        stream = TextStream(self.frontend.decode, job.stop, ticket.listener)
+        ended = {}                  # why generation ended early, and when the first token came
+
+        def on_token(token: int) -> bool:
+            ended.setdefault("first", time.monotonic())
+            if not stream.push(token):
+                ended["reason"] = "stop"
+                return False
+            if ticket.cancelled:
+                ended["reason"] = "cancelled"
+                return False
+            if time.monotonic() > ticket.deadline:
+                ended["reason"] = "timeout"
+                return False
+            return True
+
+        prefix, query = job.split()
+        self._running = 1
+        try:
+            resp = self.engine.serve(Request(prefix, query, job.max_tokens,
+                                             sampling=job.sampling, on_token=on_token))
+        except UserError as exc:
+            self.count("invalid")
+            raise ServiceError(400, str(exc)) from None
+        finally:
+            self._running = 0
+        done = time.monotonic()
+        tokens = list(resp.tokens)
+        reason = ended.get("reason")
+        if reason is None:
+            if tokens and tokens[-1] in job.sampling.stop_token_ids:
+                reason = "stop"
+            else:
+                reason = "length"
+        if tokens and tokens[-1] in job.sampling.stop_token_ids:
+            tokens.pop()   # the stop token is not part of the completion
+        text = stream.finish()
+        first = ended.get("first", done)
+        st = resp.stats
+        stats = {"ttft_s": first - ticket.arrived, "queue_s": started - ticket.arrived,
+                 "total_s": done - ticket.arrived, "engine_ttft_s": st.ttft_s,
+                 "prefix_tokens": st.prefix_tokens, "matched_tokens": st.matched_tokens,
+                 "computed_tokens": st.computed_tokens, "bytes_read": dict(st.bytes_read),
+                 "probe_bytes": st.probe_bytes, "layers_fallback": st.layers_fallback,
+                 "layers": st.layers if st.matched_tokens else 0,
+                 "decode_s_per_token": st.decode_s_per_token}
+        self._observe(ticket, stats, len(tokens), reason)
+        return Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens, reason,
+                          len(job.ids), stats)
+
+    def _observe(self, ticket: Ticket, stats: dict, n_tokens: int, reason: str) -> None:
+        self.count({"cancelled": "cancelled", "timeout": "timeout"}.get(reason, "ok"))
+        self.m_ttft.observe(stats["ttft_s"])
+        self.m_prefill.observe(stats["engine_ttft_s"])
+        self.m_latency.observe(stats["total_s"])
+        self.m_prompt.labels("matched").inc(stats["matched_tokens"])
+        self.m_prompt.labels("computed").inc(stats["computed_tokens"])
+        self.m_completion.inc(n_tokens)
+        for tier, n in stats["bytes_read"].items():
+            self.m_bytes.labels(tier).inc(n)
+        self.m_probe.inc(stats["probe_bytes"])
+        self._layers[0] += stats["layers"]
+        self._layers[1] += stats["layers_fallback"]
+
+    # -- closing ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Refuse new requests, serve those already queued, then close the store and (if
+        this service built it) the runtime."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = True
+            self._closed = True
+        self._queue.put(None)     # after every queued request
+        self._worker.join()
+        self._close_store_and_runtime()
+
+    def _close_store_and_runtime(self) -> None:
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self._owns_runtime and self.rt is not None:
+                self.rt.close()
+
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- request files -----------------------------------------------------------------------------
+REQUEST_FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p",
+                  "seed", "stop", "id"}
+
+
+def read_requests(path: str | Path, frontend: Frontend, default_max_tokens: int) -> list[Job]:
+    """Every line of a JSONL request file as a Job, or UserError naming the first bad line
+    (the whole file is checked before anything is served). Blank lines are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    jobs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise UserError(f"{where}: a request is a JSON object")
+        unknown = sorted(set(item) - REQUEST_FIELDS)
+        if unknown:
+            raise UserError(f"{where}: unknown field {unknown[0]!r} (fields: "
+                            f"{', '.join(sorted(REQUEST_FIELDS))})")
+        rid = item.get("id")
+        if rid is not None and not isinstance(rid, (str, int)):
+            raise UserError(f"{where}: id must be a string or a number")
+        try:
+            job = frontend.build(**{k: v for k, v in item.items() if k != "id"},
+                                 default_max_tokens=default_max_tokens)
+        except ServiceError as exc:
+            raise UserError(f"{where}: {exc.message}") from None
+        job.id = str(rid) if rid is not None else str(len(jobs) + 1)
+        jobs.append(job)
+    if not jobs:
+        raise UserError(f"{path} holds no requests")
+    return jobs
