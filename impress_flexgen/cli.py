@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -31,7 +32,20 @@ class Terminated(BaseException):
     clean up (scratch directories, disk threads) before the program exits."""
 
 
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _raise_terminated(signum, frame):
+    # An exception raised inside a finalizer is swallowed by Python: send the signal again
+    # once the finalizer has returned.
+    if _in_finalizer(frame):
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     # A second SIGTERM while cleaning up ends the program at once.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise Terminated()
@@ -218,6 +232,9 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                    help=f"GPU tier capacity ({gpu_cache_default})")
     t.add_argument("--cpu-cache-gb", type=finite_float(0), default=None,
                    help=f"CPU tier capacity ({cpu_cache_default})")
+    t.add_argument("--verify-tier-hits", action="store_true",
+                   help="check the CRC of every GPU and CPU tier hit, not only of copies "
+                        "promoted to the GPU tier (slower; for debugging)")
     t.add_argument("--disk-capacity-gb", type=finite_float(0), default=None,
                    help="store capacity on disk; least valuable prefixes are evicted beyond it")
     t.add_argument("--store-dir", metavar="DIR",

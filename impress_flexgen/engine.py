@@ -129,6 +129,7 @@ class TierSizes:
     cpu_bytes: int = 0
     alpha: float = 1.2
     exclusive: bool = True
+    verify_hits: bool = False    # CRC-check every tier hit (promotions always are)
 
 
 class FamilyMath:
@@ -231,7 +232,8 @@ class Engine:
                                 f"the policy probes {self.probe_kv_heads}")
             store.cache = cache if cache is not None else ChunkCache(
                 TierConfig(tiers.gpu_bytes, tiers.cpu_bytes, policy.tier_policy, tiers.alpha,
-                           tiers.exclusive), gpu_device=self.device)
+                           tiers.exclusive, verify_hits=tiers.verify_hits),
+                gpu_device=self.device)
         c = self.math
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
 

@@ -224,7 +224,8 @@ def footprint(spec, batch: int = 1, compress_weight: bool = False) -> Footprint:
                      for layer in shapes)
     layers = tuple(counts)
     if spec.family == "opt":
-        hidden, heads, head_dim, ffn = c.input_dim, c.n_head, c.input_dim // c.n_head, 4 * c.input_dim
+        hidden, heads, ffn = c.input_dim, c.n_head, 4 * c.input_dim
+        head_dim = hidden // heads
     else:
         hidden, heads, head_dim, ffn = c.hidden_size, c.n_head, c.head_dim, c.intermediate_size
     # FlexGen sizes it prompt + new - 1 rows; a generation fills at most every position.

@@ -96,11 +96,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .runtime import Placement, Runtime, RuntimeConfig, resolve_spec
+    from .runtime import Runtime, RuntimeConfig, resolve_spec
 
-    placement = args.placement or Placement.parse("gpu")
-    cfg = RuntimeConfig(model=args.model, model_path=args.model_path, placement=placement,
-                        offload_dir=args.offload_dir, seed=args.seed, dtype=dtype_arg(args.dtype))
+    # Room the planner leaves for the tiers the user sized (the defaults are small).
+    cfg = RuntimeConfig(model=args.model, model_path=args.model_path, placement=args.placement,
+                        offload_dir=args.offload_dir, seed=args.seed, dtype=dtype_arg(args.dtype),
+                        gpu_reserve_bytes=int((args.gpu_cache_gb or 0) * GB),
+                        cpu_reserve_bytes=int((args.cpu_cache_gb or 0) * GB))
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
     tokenizer = jobs = output = None
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         weights = f"random (seed {rt.spec.seed})" if rt.spec.random_weights else "real"
         print(f"model {rt.spec.name} ({rt.spec.family}, {rt.spec.config.dtype.__name__}, "
               f"{device}), weights {weights}, built in {rt.load_s:.1f} s")
-        print(f"placement: {placement.describe()}")
+        print(f"placement: {rt.placement.describe()}")
         if jobs is not None:
             return serve_requests(rt, args, jobs, output)
         if store_root is None:
@@ -176,7 +178,8 @@ def serve(rt, args, root: Path) -> int:
     pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
     tiers = TierSizes(
         int(args.gpu_cache_gb * GB) if args.gpu_cache_gb is not None else int(0.10 * pool),
-        int(args.cpu_cache_gb * GB) if args.cpu_cache_gb is not None else int(0.25 * pool))
+        int(args.cpu_cache_gb * GB) if args.cpu_cache_gb is not None else int(0.25 * pool),
+        verify_hits=args.verify_tier_hits)
     print(f"workload: {args.prefixes} prefixes x {args.prefix_tokens} tokens from "
           f"{', '.join(sorted(set(wl.sources)))}; {len(wl.queries)} queries of "
           f"{args.query_tokens} tokens ({args.distribution}); prefix KV {pool / 2**20:.1f} MiB")

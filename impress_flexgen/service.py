@@ -73,6 +73,7 @@ class ServiceConfig:
     store_root: str | Path | None = None    # None: <cache>/stores/<model>
     gpu_cache_bytes: int = 256 << 20
     cpu_cache_bytes: int = 1 << 30
+    verify_tier_hits: bool = False
     disk_capacity_bytes: int | None = None
     reorder_interval: int = 50
     queue_size: int = 16                    # requests waiting (the one being served aside)
@@ -103,7 +104,7 @@ class ServiceConfig:
             offload_dir=args.offload_dir, run=run, store_root=args.store_dir,
             disk_capacity_bytes=None if args.disk_capacity_gb is None
             else int(args.disk_capacity_gb * GB),
-            reorder_interval=args.reorder_interval)
+            reorder_interval=args.reorder_interval, verify_tier_hits=args.verify_tier_hits)
         if args.gpu_cache_gb is not None:
             fields["gpu_cache_bytes"] = int(args.gpu_cache_gb * GB)
         if args.cpu_cache_gb is not None:
@@ -121,7 +122,9 @@ class ServiceConfig:
 
         placement = self.placement if self.placement is not None else Placement.parse("auto")
         return RuntimeConfig(model=self.model, model_path=self.model_path, placement=placement,
-                             offload_dir=self.offload_dir, seed=self.seed, dtype=self.dtype)
+                             offload_dir=self.offload_dir, seed=self.seed, dtype=self.dtype,
+                             gpu_reserve_bytes=self.gpu_cache_bytes,
+                             cpu_reserve_bytes=self.cpu_cache_bytes)
 
 
 # -- prompts in ------------------------------------------------------------------------------
@@ -434,7 +437,8 @@ class Service:
                     raise UserError(f"cannot open the store in {self.store_dir}: "
                                     f"{exc.strerror or exc}") from None
             self.engine = Engine(runtime, self.store, self.policy,
-                                 TierSizes(config.gpu_cache_bytes, config.cpu_cache_bytes))
+                                 TierSizes(config.gpu_cache_bytes, config.cpu_cache_bytes,
+                                           verify_hits=config.verify_tier_hits))
         except BaseException:
             self._close_store_and_runtime()
             raise

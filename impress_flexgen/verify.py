@@ -12,8 +12,8 @@ import sys
 
 from .cli import (PLACEMENT_HELP, ArgumentParser, add_model_args, dtype_arg, int_range,
                   placement_arg, run_main, write_json)
-from .runtime import AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan, \
-    resolve_spec
+from .runtime import (AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan,
+                      resolve_spec)
 from .texts import PROMPTS
 
 

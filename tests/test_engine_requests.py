@@ -30,3 +30,31 @@ def test_relay_passes_each_token_once_over_retries():
     for t in (5, 6, 7, 8):           # the retry produces them again, then more
         assert relay(t)
     assert got == [5, 6, 7, 8]
+
+
+def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
+    """With --verify-tier-hits a damaged copy in a tier is dropped and the chunk is read
+    from disk again: the answer is the one of a clean store."""
+    import numpy as np
+    import torch
+
+    rt = tiny_runtimes["llama-tiny"]
+    prefix = np.random.default_rng(3).integers(10, 40000, 64).tolist()
+    query = [11, 12, 13]
+    cfg = ServingConfig(retention=1.0)
+    policy = make_policy("full", cfg)
+    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
+    try:
+        engine = Engine(rt, store, policy, TierSizes(0, 1 << 20, verify_hits=True))
+        engine.serve(Request(prefix, query, 3))
+        clean = engine.serve(Request(prefix, query, 3))        # from disk, now in the tier
+        cache = store.cache
+        keys = sorted(cache.resident_keys("cpu"))
+        assert keys
+        cache._cpu.chunks[keys[0]].tensor.view(torch.uint8).view(-1)[5] ^= 0x40
+        again = engine.serve(Request(prefix, query, 3))
+        assert cache.metrics["corrupt_copies"] == 1
+        assert again.tokens == clean.tokens
+        assert torch.equal(again.step_logits[0], clean.step_logits[0])
+    finally:
+        store.close()

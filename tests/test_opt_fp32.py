@@ -47,7 +47,8 @@ def test_opt_on_cpu_computes_in_float32(placement, offload_dir):
 
 @no_cuda
 def test_fp16_is_still_flexgens_published_path(offload_dir):
-    with Runtime(RuntimeConfig(model="opt-tiny", dtype=np.float16, placement=Placement.parse("mixed"),
+    with Runtime(RuntimeConfig(model="opt-tiny", dtype=np.float16,
+                               placement=Placement.parse("mixed"),
                                offload_dir=str(offload_dir))) as rt:
         seen = _layer_outputs(rt)
         gen = rt.generate([PROMPT], 4)

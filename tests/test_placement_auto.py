@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from impress_flexgen import placement as pl, run, runtime, scratch
+from impress_flexgen import placement as pl
+from impress_flexgen import run, runtime, scratch
 from impress_flexgen.errors import UserError
 from impress_flexgen.placement import AUTO, GiB, Placement, Resources, make_plan
 from impress_flexgen.runtime import Runtime, RuntimeConfig, resolve_spec
