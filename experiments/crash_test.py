@@ -213,6 +213,17 @@ def kv_from_bits(bits: np.ndarray, start: int = 0, end: int | None = None):
     return [(t[layer, 0], t[layer, 1]) for layer in range(SHAPE.n_layers)]
 
 
+def insert_prefix(store: PrefixStore, tokens: np.ndarray) -> list:
+    """Store `tokens`' regenerated KV past what is matched, as a request does; the path."""
+    match = store.match_prefix(tokens)
+    try:
+        aligned = len(tokens) // C * C
+        return store.insert(tokens, match.length,
+                            kv_from_bits(expected_bits(tokens[:aligned]), match.length))
+    finally:
+        store.release(match)
+
+
 def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
@@ -428,11 +439,7 @@ def fill_store(store: PrefixStore, prefixes: Prefixes, ids, rng) -> None:
     """Insert prefixes like requests, feed random importance back, reorder now and then."""
     for i, p in enumerate(ids):
         tokens = prefixes.tokens(p)
-        aligned = len(tokens) // C * C
-        match = store.match_prefix(tokens)
-        path = store.insert(tokens, match.length,
-                            kv_from_bits(expected_bits(tokens[:aligned]), match.length))
-        store.release(match)
+        path = insert_prefix(store, tokens)
         for node in path:
             for layer in range(SHAPE.n_layers):
                 scores = rng.random(node.n_tokens).astype(np.float32)
@@ -1710,19 +1717,14 @@ def write_faults(sdir: Path, n_inject: int, rng, prefixes: Prefixes, fmt: str, m
                     except Exception as exc:  # noqa: BLE001 - reported as unhandled
                         ok, why = False, f"reorder raised {error_text(exc)}"
                 else:
-                    match = store.match_prefix(tokens)
                     try:
-                        aligned = len(tokens) // C * C
-                        store.insert(tokens, match.length,
-                                     kv_from_bits(expected_bits(tokens[:aligned]), match.length))
+                        insert_prefix(store, tokens)
                         ok, why = False, "insert returned despite the fault"
                     except accepted as exc:
                         name = type(exc).__name__
                         res["raised"][name] = res["raised"].get(name, 0) + 1
                     except Exception as exc:  # noqa: BLE001 - reported as unhandled
                         ok, why = False, f"insert raised {error_text(exc)}"
-                    finally:
-                        store.release(match)
             if not patch.fired:
                 continue  # nothing was written (the op had nothing to do): not injected
             res["injected"] += 1
@@ -1748,13 +1750,7 @@ def write_faults(sdir: Path, n_inject: int, rng, prefixes: Prefixes, fmt: str, m
                             affected.append(t)
                         store.release(match)
                 else:
-                    match = store.match_prefix(tokens)
-                    aligned = len(tokens) // C * C
-                    try:
-                        store.insert(tokens, match.length,
-                                     kv_from_bits(expected_bits(tokens[:aligned]), match.length))
-                    finally:
-                        store.release(match)
+                    insert_prefix(store, tokens)
                     done.append(tokens)
                     affected = [tokens]
                 if not all(prefix_exact(store, t) for t in affected):
@@ -1821,17 +1817,12 @@ def sqlite_full(base: Path, n_inject: int, seed: int, report: Report) -> dict:
             try:
                 for _ in range(60):
                     tokens, p = prefixes.tokens(p), p + 1
-                    match = store.match_prefix(tokens)
-                    aligned = len(tokens) // C * C
                     try:
-                        store.insert(tokens, match.length,
-                                     kv_from_bits(expected_bits(tokens[:aligned]), match.length))
+                        insert_prefix(store, tokens)
                     except StoreFull:
                         how = "StoreFull"
                     except Exception as exc:  # noqa: BLE001 - reported
                         how = error_text(exc)
-                    finally:
-                        store.release(match)
                     if how:
                         break
                     res["inserts_fitted"] += 1   # fitted in free pages
@@ -1853,13 +1844,7 @@ def sqlite_full(base: Path, n_inject: int, seed: int, report: Report) -> dict:
             if not all(prefix_exact(store, t) for t in done):
                 problems.append("an earlier prefix no longer reads back bit-exact")
             try:
-                match = store.match_prefix(tokens)
-                aligned = len(tokens) // C * C
-                try:
-                    store.insert(tokens, match.length,
-                                 kv_from_bits(expected_bits(tokens[:aligned]), match.length))
-                finally:
-                    store.release(match)
+                insert_prefix(store, tokens)
                 done.append(tokens)
                 if not prefix_exact(store, tokens):
                     problems.append("not bit-exact after the retry")

@@ -333,13 +333,12 @@ class PrefixStore:
         """A missing or empty database beside data files is damage, not a new store:
         opening it as new would delete every file recovery finds unreferenced."""
         db = self.dir / "store.sqlite"
-        empty = not db.exists() or (not db.is_symlink() and db.stat().st_size == 0)
-        if empty and self._data_entries():
+        if db.is_symlink():
+            raise UserError(f"store {self.dir}: store.sqlite is a symbolic link; refused")
+        if (not db.exists() or db.stat().st_size == 0) and self._data_entries():
             raise UserError(f"store {self.dir}: store.sqlite is missing or empty but data/ "
                             "holds files; the store was left as it is (move it away or "
                             "choose another --store-dir)")
-        if db.is_symlink():
-            raise UserError(f"store {self.dir}: store.sqlite is a symbolic link; refused")
 
     def _init_meta(self) -> None:
         want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
