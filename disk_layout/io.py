@@ -7,7 +7,8 @@ without a copy (and reused once nothing views it). A small thread pool keeps sev
 in flight, and each worker verifies the CRC32s of its run as soon as it is read, while the
 other reads proceed (os.preadv and the CRC release the GIL). Where O_DIRECT is refused
 (tmpfs), reads fall back to buffered I/O followed by posix_fadvise(DONTNEED), and we say
-so once.
+so once. A DiskReader may be given a read bandwidth limit (ReadLimit), to stand in for a
+slower disk than the one under the store.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import logging
 import os
 import stat
 import threading
+import time
 import zlib
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -320,6 +322,54 @@ class BufferPool:
         return buf, buf.untyped_storage()
 
 
+class ReadLimit:
+    """Token bucket of read bytes shared by a reader's threads: `rate` bytes/s.
+
+    A run takes its length before it is read. The bucket saves up at most
+    max(MIN_BURST, that run's bytes), so a run of any size can pass; a take larger than
+    what is saved leaves a deficit that the taker sleeps off (outside the lock), and later
+    takers queue behind it, so threads together never beat the rate beyond one burst.
+    """
+
+    MIN_BURST = 1 << 20
+
+    def __init__(self, rate_bytes_s: float):
+        rate = float(rate_bytes_s)
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"read limit must be a positive number of bytes/s, got "
+                             f"{rate_bytes_s!r}")
+        self.rate = rate
+        self._tokens = float(self.MIN_BURST)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        """Take `nbytes`, sleeping as long as the rate requires; returns seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            burst = max(self.MIN_BURST, nbytes)
+            saved = self._tokens + (now - self._last) * self.rate
+            self._tokens = min(saved, burst) - nbytes
+            self._last = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+
+def _read_limit(rate_bytes_s: float | None) -> ReadLimit | None:
+    """None, 0 or infinity: unlimited; a negative (or NaN) limit is a mistake."""
+    if rate_bytes_s is None:
+        return None
+    rate = float(rate_bytes_s)
+    if rate == 0 or rate == float("inf"):
+        return None
+    if not rate > 0:
+        raise ValueError(f"read limit must be >= 0 bytes/s (0: unlimited), got "
+                         f"{rate_bytes_s!r}")
+    return ReadLimit(rate)
+
+
 class _Fd:
     __slots__ = ("fd", "direct", "users", "doomed")
 
@@ -340,10 +390,16 @@ class DiskReader:
     runs of a request are in flight together on the thread pool. With checks, the worker
     verifies the CRC32 of each extent as soon as its run is in memory (os.preadv and
     zlib.crc32 release the GIL), so checking overlaps the other reads.
+
+    rate_limit_bytes_s limits the reads to that many bytes/s, all threads together (None
+    or 0: unlimited). busy_s counts the wall time during which at least one read was in
+    flight, limiter sleeps included, so bytes_read / busy_s is the throughput the disk path
+    delivered (counters() gives both at once).
     """
 
     def __init__(self, threads: int = 4, direct: bool = True, max_open_files: int = 256,
-                 pool_bytes: int = 256 << 20):
+                 pool_bytes: int = 256 << 20, rate_limit_bytes_s: float | None = None):
+        self.limit = _read_limit(rate_limit_bytes_s)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-read")
         self.buffers = BufferPool(pool_bytes)
@@ -353,6 +409,9 @@ class DiskReader:
         self.max_open_files = max_open_files
         self.bytes_read = 0
         self.reads = 0
+        self._busy_s = 0.0
+        self._in_flight = 0
+        self._busy_since = 0.0
 
     # -- descriptors: cached, counted while in use so eviction never closes a busy one --
     def _open(self, path: str) -> tuple[int, bool]:
@@ -437,6 +496,32 @@ class DiskReader:
             else:
                 os.close(ent.fd)
 
+    # -- busy time: from the first read in flight to the last one done ------------------
+    def _begin(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds with at least one read in flight (the current stretch included)."""
+        return self.counters()[1]
+
+    def counters(self) -> tuple[int, float]:
+        """(bytes_read, busy_s), read together (for deltas around a request)."""
+        with self._lock:
+            busy = self._busy_s
+            if self._in_flight:
+                busy += time.monotonic() - self._busy_since
+            return self.bytes_read, busy
+
     # -- reading ------------------------------------------------------------------------
     @staticmethod
     def _verify(data: torch.Tensor, checks) -> None:
@@ -472,19 +557,25 @@ class DiskReader:
         view = memoryview(data.numpy())
         length = len(view)
         done = 0
-        while done < length:
-            n = os.preadv(ent.fd, [view[done:]], offset + done)
-            if n == 0 or (ent.direct and n % ALIGN and done + n < length):
-                # With O_DIRECT a short, unaligned read is the end of the file too (the
-                # next read would fail on alignment instead of saying so).
-                raise ShortRead(errno.EIO, f"{path}: file ends at {offset + done + n}, "
-                                           f"expected {offset + length}")
-            done += n
-        if not ent.direct:
-            os.posix_fadvise(ent.fd, offset, length, os.POSIX_FADV_DONTNEED)
-        with self._lock:
-            self.bytes_read += length
-            self.reads += 1
+        self._begin()
+        try:
+            if self.limit is not None:
+                self.limit.take(length)
+            while done < length:
+                n = os.preadv(ent.fd, [view[done:]], offset + done)
+                if n == 0 or (ent.direct and n % ALIGN and done + n < length):
+                    # With O_DIRECT a short, unaligned read is the end of the file too
+                    # (the next read would fail on alignment instead of saying so).
+                    raise ShortRead(errno.EIO, f"{path}: file ends at {offset + done + n}, "
+                                               f"expected {offset + length}")
+                done += n
+            if not ent.direct:
+                os.posix_fadvise(ent.fd, offset, length, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self.bytes_read += length
+                self.reads += 1
+        finally:
+            self._end()
         if checks:
             self._verify(data, checks)
 

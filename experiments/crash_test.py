@@ -95,6 +95,10 @@ import torch
 import disk_layout.io as disk_io
 import disk_layout.metadata as meta_mod
 import impress_flexgen.store as store_mod
+from impress_flexgen.store import eviction, inserts, opening, prefix_store, reorder
+
+# The store's modules that touch the file system (faults are injected into each).
+STORE_FILE_MODULES = (eviction, inserts, opening, prefix_store, reorder)
 from disk_layout.format import decode_probe, encode_probe
 from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.errors import UserError
@@ -522,14 +526,14 @@ def writer(args) -> int:
         out.write(line + "\n")
         out.flush()
 
-    real_write = store_mod.write_durable
+    real_write = inserts.write_durable
 
     def traced_write(path, chunks, total_bytes):
         say("WRITE")
         real_write(path, chunks, total_bytes)
         say("WROTE")
 
-    store_mod.write_durable = traced_write
+    inserts.write_durable = traced_write
     rng = np.random.default_rng([args.seed, 104729, args.start_id])
     prefixes = Prefixes(args.seed)
     reorders = args.mode == "kill"
@@ -1387,7 +1391,7 @@ class FaultyOS:
 
 @contextlib.contextmanager
 def patched_os(fake: FaultyOS):
-    mods = [m for m in (disk_io, store_mod) if getattr(m, "os", None) is os]
+    mods = [m for m in (disk_io, *STORE_FILE_MODULES) if getattr(m, "os", None) is os]
     for m in mods:
         m.os = fake
     try:
@@ -1613,13 +1617,13 @@ class _NoSpaceOS:
 
 
 class NoSpace:
-    """Patch impress_flexgen.store.write_durable: call number `fail_at` fails with ENOSPC,
+    """Patch impress_flexgen.store.inserts.write_durable: call number `fail_at` fails with ENOSPC,
     either before touching the disk ("before-write") or inside the real write path
     ("mid-write": temporary file created and sized, then pwrite fails)."""
 
     def __init__(self, fail_at: int, mode: str):
         self.fail_at, self.mode, self.calls, self.fired = fail_at, mode, 0, False
-        self.real = store_mod.write_durable
+        self.real = inserts.write_durable
 
     def __call__(self, path, chunks, total_bytes):
         n, self.calls = self.calls, self.calls + 1
@@ -1636,11 +1640,11 @@ class NoSpace:
             disk_io.os = real_os
 
     def __enter__(self):
-        store_mod.write_durable = self
+        inserts.write_durable = self
         return self
 
     def __exit__(self, *exc):
-        store_mod.write_durable = self.real
+        inserts.write_durable = self.real
         return False
 
 

@@ -179,11 +179,26 @@ def placement_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def remote_url_arg(text: str) -> str:
+    """--remote-tier: a Redis url (redis://HOST:PORT/DB, rediss://..., unix://PATH), checked
+    here by the remote tier's own rules, so that a bad one is a usage error."""
+    from .tiers.remote import validate_url
+
+    try:
+        validate_url(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("remote tier: ")) from None
+    return text
+
+
 def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                      cpu_cache_default: str):
     """The flags that choose a policy and shape its store, tiers and placement, shared by
     the main job and the server; returns the two argument groups (serving, tiers)."""
     from policies import POLICY_NAMES
+
+    from .planner import PLANS
+    from .service import CHUNK_SIZE
 
     g = p.add_argument_group("serving")
     g.add_argument("--policy", default="impress",
@@ -214,8 +229,13 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                    help="for --threshold fixed, in [0, 1] (0.85)")
     g.add_argument("--adaptive-alpha", type=finite_float(0, low_open=True), default=0.6,
                    help="t = j^alpha (adaptive), positive (0.6)")
-    g.add_argument("--chunk-size", type=int_range(16, 256), default=16,
-                   help="tokens per chunk, a multiple of 8 in 16-256 (16)")
+    g.add_argument("--plan", choices=PLANS, default="auto",
+                   help="how a stored prefix is served: load it (the policy's selection), "
+                        "recompute it, both (recompute its front while the rest loads), or "
+                        "auto: per request, the cheapest of the three by a cost model "
+                        "calibrated at start-up (default auto)")
+    g.add_argument("--chunk-size", type=int_range(16, 256), default=CHUNK_SIZE,
+                   help=f"tokens per chunk, a multiple of 8 in 16-256 ({CHUNK_SIZE})")
     g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
     g.add_argument("--reorder-interval", type=int_range(0), default=50,
                    help="queries between background reorders (policies that reorder; "
@@ -237,6 +257,14 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                         "promoted to the GPU tier (slower; for debugging)")
     t.add_argument("--disk-capacity-gb", type=finite_float(0), default=None,
                    help="store capacity on disk; least valuable prefixes are evicted beyond it")
+    t.add_argument("--disk-read-limit", type=finite_float(0, low_open=True), default=None,
+                   metavar="MB/s",
+                   help="hold the store's disk reads to this bandwidth (default: no limit)")
+    t.add_argument("--remote-tier", type=remote_url_arg, default=None,
+                   metavar="redis://HOST:PORT/DB",
+                   help="a shared pool of prefix KV on Redis/Valkey behind the disk, shared "
+                        "by every server pointed at it; one that does not answer is a warning "
+                        "and requests are served locally (default: none)")
     t.add_argument("--store-dir", metavar="DIR",
                    help="the prefix store (default: the user cache directory); reused by "
                         "later runs")

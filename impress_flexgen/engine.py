@@ -4,19 +4,23 @@
     response = engine.serve(Request(prefix_ids, query_ids, max_new_tokens=8))
 
 For each request:
-  1. match    the longest stored, chunk-aligned part R of the prefix (locked meanwhile);
+  1. match    the longest stored, chunk-aligned part R of the prefix (locked meanwhile),
+              then the chunks after it that the shared pool holds (a remote tier, if any);
+              the plan: load R, recompute it, or recompute its front while the rest loads
+              (the cost model's choice; `ServingConfig.plan`);
   2. embed    the new tokens (the rest of the prefix, then the query) at positions |R|...;
   3. per layer, with that layer's weights placed by FlexGen's policy:
        project  the new tokens' q, k, v;
        plan     the policy reads probe keys and decides which chunks to load (ITF); the
                 probe keys were read in the background while the layer before computed;
-       load     those K and V chunks, in one round trip: GPU tier, CPU tier, then disk
-                (CRC-checked);
+       load     those K and V chunks, in one round trip through the tiers, fastest first
+                (CRC-checked; store.readahead schedules the reads);
        attend   the new tokens over the kept prefix tokens plus themselves (causal);
        MLP;
   4. logits   of the last position: the first token (time to first token ends here;
               logits of the other query positions, when asked for, come after);
-  5. store    the newly computed prefix KV (whole chunks) in the radix tree;
+  5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
+              shared pool (write-through, in the background);
   6. decode   over the kept prefix tokens plus the generated ones (or the full prefix).
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
 from policies import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
-from policies.base import ProbeKeys, resolve_probe_heads, tokens_of_chunks
+from policies.base import chunks_holding, resolve_probe_heads, tokens_of_chunks
 
 from .errors import UserError
 from .models.base import dense
@@ -43,7 +47,10 @@ from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
-from .store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
+from .store import CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
+from .store.readahead import LayerLoader, ReadAhead
+from .prefix_plan import ContextKV, PrefixPlanner
+from .store.shared import SharedMiss, shared_pool
 from .tiers import ChunkCache, TierConfig
 
 log = logging.getLogger("impress_flexgen.engine")
@@ -82,7 +89,8 @@ class RequestStats:
     prefix_tokens: int = 0
     matched_tokens: int = 0
     computed_tokens: int = 0
-    bytes_read: dict = dataclasses.field(default_factory=lambda: {"gpu": 0, "cpu": 0, "disk": 0})
+    bytes_read: dict = dataclasses.field(   # per tier name, fastest first
+        default_factory=lambda: dict.fromkeys(TierConfig().names(remote=False), 0))
     probe_bytes: int = 0
     chunks_read: int = 0         # from disk
     chunks_loaded: int = 0       # from any tier (K and V counted separately)
@@ -92,6 +100,12 @@ class RequestStats:
     layers_fallback: int = 0
     jaccard: list = dataclasses.field(default_factory=list)
     recovered_from_corruption: int = 0
+    # The plan (load, recompute or both), the chunks it recomputed from the front, and the
+    # time to first token the cost model predicted for it (0: no prediction made).
+    plan: str = "load"
+    plan_split: int = 0
+    predicted_ttft_s: float = 0.0
+    shared_tokens: int = 0       # prefix tokens whose KV came from the shared pool
     # Decode. Bytes per step: K + V of the pages a decode-phase policy copied to the compute
     # device; for the other policies, the whole attended context (what a cache kept off the
     # device would have to move each step).
@@ -130,6 +144,7 @@ class TierSizes:
     alpha: float = 1.2
     exclusive: bool = True
     verify_hits: bool = False    # CRC-check every tier hit (promotions always are)
+    remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
 
 
 class FamilyMath:
@@ -190,17 +205,18 @@ def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int
 
 
 def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
-               policy: ServingPolicy, chunk_size: int = 64, probe_format: str = "int4",
+               policy: ServingPolicy, chunk_size: int = CHUNK_SIZE, probe_format: str = "int4",
                disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
                direct_io: bool = True, reorder_hot_fraction: float = 0.25,
-               reorder_by: str = "importance") -> PrefixStore:
+               reorder_by: str = "importance", read_limit_mb_s: float | None = None
+               ) -> PrefixStore:
     """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
     _, probe_kv = probe_setup(runtime.spec, config)
     store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
                             disk_capacity_bytes=disk_capacity_bytes,
                             reorder_interval=reorder_interval if policy.reorder else 0,
                             direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
-                            reorder_by=reorder_by)
+                            reorder_by=reorder_by, read_limit_mb_s=read_limit_mb_s)
     return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
 
 
@@ -221,7 +237,7 @@ class Engine:
         # FlexGen's weight buffers and the policy's per-layer state belong to one request at
         # a time: requests from several threads take turns through the layers (the store
         # serves several engines at once).
-        self._serving = threading.Lock()
+        self._serving = threading.RLock()
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
@@ -236,6 +252,21 @@ class Engine:
                 gpu_device=self.device)
         c = self.math
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
+        self.planner = None      # the cost model's planner, when the plan is auto or both
+        # The shared pool (a remote tier behind the disk), when one is configured.
+        self.shared = None
+        self.shared_fallbacks = 0
+        if tiers.remote_url and store is not None and policy.reuse:
+            self.shared = shared_pool(tiers.remote_url, store, self.dtype)
+        self.tier_names = TierConfig().names(remote=self.shared is not None)
+        self.max_positions = runtime.spec.config.max_seq_len
+        if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
+            self.planner = PrefixPlanner(self)
+
+    def close(self) -> None:
+        """Stop the shared pool's threads (the store and runtime are closed by their owner)."""
+        if self.shared is not None:
+            self.shared.tier.close()
 
     # -- the request ------------------------------------------------------------------------
     def serve(self, request: Request, query_logits: bool = False) -> Response:
@@ -247,21 +278,31 @@ class Engine:
             raise UserError("n_pad must leave at least one real prefix token")
         if request.on_token is not None:
             request = dataclasses.replace(request, on_token=_Relay(request.on_token))
-        for attempt in range(3):
+        use_shared = self.shared is not None
+        for attempt in range(4):
             try:
                 with self._serving:
                     if request.on_token is not None:
                         request.on_token.restart()
-                    return self._serve(request, query_logits, recovered=attempt)
+                    return self._serve(request, query_logits, recovered=attempt,
+                                       use_shared=use_shared)
             except CorruptNode as exc:
                 # Never serve corrupt KV: take the node out of service and recompute.
                 self.store.quarantine(exc.node, str(exc))
+            except SharedMiss as exc:
+                # The pool lost a chunk it had: serve from the local tiers alone.
+                log.warning("shared pool: %s; serving without it", exc)
+                self.shared_fallbacks += 1
+                use_shared = False
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
 
-    def _serve(self, req: Request, want_query_logits: bool, recovered: int) -> Response:
-        stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered)
+    def _serve(self, req: Request, want_query_logits: bool, recovered: int,
+               use_shared: bool = False) -> Response:
+        stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
+                             bytes_read=dict.fromkeys(self.tier_names, 0))
         n_pad = req.n_pad
         t_start = time.perf_counter()
+        disk_before = self.store.reader.counters() if self.planner is not None else None
         match = None
         use_store = self.store is not None and self.policy.reuse
         try:
@@ -272,20 +313,32 @@ class Engine:
             matched = sum(u for _, u in segments_nodes)
             stats.matched_tokens = matched
             stats.match_s = time.perf_counter() - t_start
-            new_ids = list(req.prefix[matched:]) + list(req.query)
-            stats.computed_tokens = len(new_ids)
+            # The prefix tokens right after the matched ones may be in the shared pool.
+            given = self.shared.open(req.prefix, matched, stats) \
+                if use_shared and use_store else None
+            n_given = given.n_tokens if given is not None else 0
+            new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
             stats.prefix_bytes = matched * self.kv_bytes_per_token_layer * self.math.n_layers
+            # Load the matched prefix, recompute it, or recompute its front while the rest
+            # loads: `front` tokens are recomputed.
+            front = self._choose_plan(segments_nodes, matched, len(new_ids), stats)
+            stats.computed_tokens = len(new_ids) + front
+            if front >= matched:
+                segments_nodes = []      # nothing left to load
 
             # 2-4. prefill
             kept, new_kv, tail, out_w = self._prefill(
                 new_ids, matched, segments_nodes, stats,
-                n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad)
+                n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad,
+                front_ids=req.prefix[:front], given=given)
             t0 = time.perf_counter()
             logits = self.math.logits(out_w, tail[-1:]).cpu()
             stats.compute_s += time.perf_counter() - t0
             sampler = Sampler(req.sampling)
             first = sampler.pick(logits[-1])
             stats.ttft_s = time.perf_counter() - t_start
+            if disk_before is not None and matched:
+                self._learn(stats, disk_before, matched)
             # The first token goes out now; storing the prefix (5.) follows either way.
             going = first not in sampler.stop_token_ids and \
                 (req.on_token is None or req.on_token(first) is not False)
@@ -303,6 +356,14 @@ class Engine:
                                            for k, v in new_kv])
                     except StoreWriteFailed as exc:
                         log.warning("prefix not stored: %s", exc)
+                    else:
+                        if use_shared:
+                            # Durable here first; then shared (write-through, in the
+                            # background): the chunks the pool did not give us.
+                            self.shared.publish(req.prefix, matched + n_given,
+                                                [(k[:, n_given:n_prefix_new],
+                                                  v[:, n_given:n_prefix_new])
+                                                 for k, v in new_kv])
                 stats.store_s = time.perf_counter() - t0
 
             # 6. decode
@@ -310,8 +371,8 @@ class Engine:
             if going and req.max_new_tokens > 1:
                 if req.forced is not None and len(req.forced) < req.max_new_tokens - 1:
                     raise UserError("forced decoding needs max_new_tokens - 1 tokens")
-                if self.config.decode_over == "full" and segments_nodes:
-                    kept = self._full_prefix_context(segments_nodes, new_kv, stats, n_pad)
+                if self.config.decode_over == "full" and match is not None and match.segments:
+                    kept = self._full_prefix_context(match.segments, new_kv, stats, n_pad)
                 t0 = time.perf_counter()
                 pages = self.policy.start_decode(kept, self.math.n_head, self.device)
                 position = len(req.prefix) + len(req.query)
@@ -343,45 +404,115 @@ class Engine:
             if match is not None:
                 self.store.release(match)
 
+    # -- plan -------------------------------------------------------------------------------
+    def _choose_plan(self, segments_nodes, matched: int, n_new: int, stats) -> int:
+        """How many leading prefix tokens to recompute rather than load (0: load all)."""
+        mode = self.config.plan
+        if not segments_nodes or mode == "load":
+            stats.plan, stats.plan_split = "load", 0
+            return 0
+        if mode == "recompute":
+            stats.plan, stats.plan_split = "recompute", matched // self.store.config.chunk_size
+            return matched
+        plan = self.planner.choose(mode, segments_nodes, matched, n_new)
+        stats.plan, stats.plan_split = plan.mode, plan.split_chunks
+        stats.predicted_ttft_s = plan.predicted_s
+        return plan.split_chunks * self.store.config.chunk_size
+
+    def _learn(self, stats, disk_before, matched: int) -> None:
+        """Feed the planner what this request's reads and time to first token showed."""
+        read, busy = self.store.reader.counters()
+        loaded = 2 * self.math.n_layers * (matched // self.store.config.chunk_size -
+                                           stats.plan_split)
+        self.planner.observe(stats, read - disk_before[0], busy - disk_before[1], loaded)
+
+    def measure_prefill(self, n: int, ctx: int = 0) -> float:
+        """Seconds to prefill n tokens over ctx earlier ones (their KV given, no I/O) and
+        take the first token: one point of the planner's prefill curve."""
+        vocab = self.rt.spec.config.vocab_size
+        ids = np.random.default_rng(n * 7919 + ctx).integers(10, vocab, n).tolist()
+        stats = RequestStats()
+        given = ContextKV(ctx, self.math.n_kv_head, self.math.head_dim) if ctx else None
+        with self._serving:
+            t0 = time.perf_counter()
+            _, _, tail, out_w = self._prefill(ids, 0, [], stats, n_hidden=1, given=given)
+            self.math.logits(out_w, tail[-1:]).cpu()
+            return time.perf_counter() - t0
+
     # -- prefill ----------------------------------------------------------------------------
-    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0):
+    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0,
+                 front_ids=(), given=None):
         """Run all layers over the new tokens; returns per-layer decode context, per-layer
-        new (K, V), the final hidden states of the last `n_hidden` positions and the
-        output weights that turn them into logits."""
+        (K, V) of positions matched.. (the given part, then the new tokens), the final
+        hidden states of the last `n_hidden` positions and the output weights that turn
+        them into logits.
+
+        `front_ids`: the first prefix tokens, recomputed with the new ones instead of
+        loaded (the "both" plan): they attend to each other only. `given`: KV of the
+        prefix tokens right after the matched ones, from the shared pool (attended in full)."""
         layers = self.model.layers
-        total = matched + len(new_ids)
-        positions = torch.arange(matched, total, device=self.device)[None]
-        ahead = _ReadAhead(self, segments_nodes, stats)
+        front = len(front_ids)
+        start = matched + (given.n_tokens if given is not None else 0)
+        total = start + len(new_ids)
+        positions = torch.arange(start, total, device=self.device)
+        if front:
+            positions = torch.cat([torch.arange(front, device=self.device), positions])
+        positions = positions[None]
+        ahead = ReadAhead(self.store, self.policy, self.math.n_layers, segments_nodes, stats,
+                          front=front)
         ahead.start(0)
+        if given is not None:
+            given.start(0)
         kept, new_kv = [], []
         try:
             hidden = self._embed(new_ids, total, stats)
+            if front:
+                head = self._embed(list(front_ids), front, stats)
+                hidden.val = TorchTensor.create_from_torch(
+                    torch.cat([head.val.data, hidden.val.data], dim=1), self.compute)
             rope = self.math.rope(positions, hidden.val.data.dtype)
             for layer in range(self.math.n_layers):
                 # The next layer's probe keys, and the chunks it is expected to load, are
                 # read while this layer computes.
                 ahead.start(layer + 1)
+                if given is not None:
+                    given.start(layer + 1)
                 kept_kv, kv = self._layer(layer, hidden, positions, rope, segments_nodes,
-                                          ahead, stats, n_pad)
+                                          ahead, stats, n_pad, front, given)
                 kept.append(kept_kv)
                 new_kv.append(kv)
         finally:
             ahead.close()
+            if given is not None:
+                given.close()
         out_w = self._weights(len(layers) - 1, stats)
         stats.layers = self.math.n_layers
         return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
 
-    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats, n_pad):
+    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats, n_pad,
+               front=0, given=None):
         """One transformer layer over the new tokens: project, plan, load, attend, MLP.
-        Returns this layer's decode context [K, V, mask] and the new tokens' (K, V)."""
+        Returns this layer's decode context [K, V, mask] and the (K, V) of positions
+        matched.. (given, then new)."""
         weights = self._weights(1 + 2 * layer, stats)
         t0 = time.perf_counter()
         x = hidden.val.data
         q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
         stats.compute_s += time.perf_counter() - t0
 
-        prefix_k, prefix_v, prefix_mask = self._prefix_kv(layer, segments_nodes, q, k_new,
-                                                          ahead, stats, n_pad)
+        # The policy plans for the new tokens only; the recomputed front needs no prefix.
+        prefix_k, prefix_v, prefix_mask = self._prefix_kv(
+            layer, segments_nodes, q[:, :, front:], k_new[:, :, front:], ahead, stats, n_pad,
+            front)
+        given_kv = ()
+        if given is not None:
+            t0 = time.perf_counter()
+            given_kv = given.kv(layer, self.device, self.dtype)
+            stats.load_s += time.perf_counter() - t0
+            prefix_k, prefix_v = [*prefix_k, given_kv[0]], [*prefix_v, given_kv[1]]
+            prefix_mask = torch.cat([prefix_mask, torch.ones(
+                self.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool,
+                device=self.device)], dim=1)
         t0 = time.perf_counter()
         # One pass joins the loaded pieces and converts them to the compute dtype.
         keys = torch.cat([*prefix_k, k_new[0]], dim=1)
@@ -389,17 +520,22 @@ class Engine:
         s = k_new.shape[2]
         new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
         mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-        attn = self._attend(q, keys, values, mask, causal_tail=s)
+        attn = self._attend(q, keys, values, mask, causal_tail=s, front=front)
         hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
                                                    self.compute)
         stats.compute_s += time.perf_counter() - t0
         self._mlp(2 + 2 * layer, hidden, stats)
-        return [keys, values, mask], (k_new[0], v_new[0])
+        k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
+        if given_kv:
+            k_mine = torch.cat([given_kv[0].to(k_mine.dtype), k_mine], dim=1)
+            v_mine = torch.cat([given_kv[1].to(v_mine.dtype), v_mine], dim=1)
+        return [keys, values, mask], (k_mine, v_mine)
 
-    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad):
+    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad, front=0):
         """The policy's choice of this layer's stored prefix KV, loaded: K and V as lists
         of (KV, m_i, d) pieces on the compute device (to be concatenated) and a (KV, m)
-        mask of which tokens each KV head attends."""
+        mask of which tokens each KV head attends. Tokens before `front` are recomputed:
+        never loaded."""
         if not segments_nodes:
             return [], [], torch.zeros(self.math.n_kv_head, 0, dtype=torch.bool,
                                        device=self.device)
@@ -415,11 +551,13 @@ class Engine:
         stats.layers_fallback += int(plan.fallback)
         if plan.jaccard is not None:
             stats.jaccard.append(plan.jaccard)
-        return self._gather(plan, segments, loader, ahead, stats, n_pad)
+        return self._gather(plan, segments, loader, ahead, stats, n_pad, front)
 
-    def _gather(self, plan: LayerPlan, segments, loader: "_LayerLoader", ahead, stats, n_pad):
-        chosen = [np.intersect1d(plan.chunks_k[si], plan.chunks_v[si])
-                  for si in range(len(segments))]
+    def _gather(self, plan: LayerPlan, segments, loader: LayerLoader, ahead, stats, n_pad,
+                front=0):
+        firsts = [max(0, front - seg.start) for seg in segments]
+        chosen = [chunks_holding(seg, np.intersect1d(plan.chunks_k[si], plan.chunks_v[si]),
+                                 firsts[si]) for si, seg in enumerate(segments)]
         # Every segment's K and V reads go out together; while they are in flight the next
         # layer's probe keys (read since this layer began) are decoded.
         pending = loader.start_all([(si, {"k": ids, "v": ids})
@@ -434,7 +572,7 @@ class Engine:
             ids = chosen[si]
             if len(ids) == 0:
                 continue
-            rows, logical = tokens_of_chunks(seg, ids)
+            rows, logical = tokens_of_chunks(seg, ids, firsts[si])
             ks += self._rows(loaded[si]["k"], rows)
             vs += self._rows(loaded[si]["v"], rows)
             if plan.attend[si] is None:
@@ -512,9 +650,11 @@ class Engine:
         return self.math.logits(out_w, hidden.val.data[0, -1:])[0].cpu()
 
     # -- layer pieces ---------------------------------------------------------------------
-    def _attend(self, q, keys, values, mask, causal_tail: int) -> torch.Tensor:
+    def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
         """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
-        head may see; the last `causal_tail` keys are the new tokens themselves (causal)."""
+        head may see; the last `causal_tail` keys are the new tokens themselves (causal).
+        The first `front` queries (a recomputed prefix front) see none of the keys before
+        the tail: those are prefix tokens after them."""
         s, m = q.shape[2], keys.shape[1]
         group = self.math.n_head // self.math.n_kv_head
         # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
@@ -527,6 +667,8 @@ class Engine:
         allowed[:, :, m - causal_tail:] &= tail
         # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
         allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, self.device)
+        if front:
+            allowed[:, :front, :m - causal_tail] = False
         allowed = allowed[None] if shared else \
             allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
         work = torch.float32 if self.device.type == "cpu" else q.dtype
@@ -566,242 +708,6 @@ class Engine:
         t0 = time.perf_counter()
         self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
         stats.compute_s += time.perf_counter() - t0
-
-
-class _LayerLoader:
-    """One layer's services to its policy: the probe keys and chunk loads through the tiers
-    and the disk, each chunk loaded once however often it is asked for, with the counters
-    of the request's stats. Chunks read ahead (prefetch) are taken instead of read again."""
-
-    def __init__(self, store: PrefixStore, layer: int, segments, ahead: "_ReadAhead",
-                 stats: RequestStats):
-        self.store, self.layer, self.segments = store, layer, segments
-        self.ahead, self.stats = ahead, stats
-        self.loaded: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.prefetching: list = []                      # [(segment, read)] in flight
-        self.prefetched: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
-
-    def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
-        """Start disk reads of chunks the policy is expected to load: [(segment, {kind:
-        ids})]. Tiers are consulted when the policy asks (start_all), as without it."""
-        for si, kinds in wanted:
-            seg = self.segments[si]
-            self.prefetching.append((si, self.store.start_prefetch(seg.entry, kinds, seg.node)))
-
-    def _collect(self) -> None:
-        """Finish the prefetch; its bytes count as read whether or not they are used."""
-        pending, self.prefetching = self.prefetching, []
-        for n, (si, read) in enumerate(pending):
-            try:
-                chunks, nbytes = self.store.finish_prefetch(read)
-            except BaseException:
-                self._drain_prefetch(pending[n + 1:])
-                raise
-            self.prefetched[si] = chunks
-            self.stats.bytes_read["disk"] += nbytes
-            self.stats.chunks_read += sum(len(c) for c in chunks.values())
-
-    def read_probe(self) -> ProbeKeys:
-        t0 = time.perf_counter()
-        probe = self.ahead.result(self.layer)
-        self.stats.probe_bytes += sum(seg.entry.layout.probe_stride for seg in self.segments)
-        self.stats.probe_s += time.perf_counter() - t0
-        return probe
-
-    def load(self, kind: str, si: int, ids) -> list[torch.Tensor]:
-        return self.finish_all(self.start_all([(si, {kind: ids})]))[si][kind]
-
-    def start_all(self, wanted: list[tuple[int, dict]]) -> list:
-        """Submit [(segment, {kind: chunk ids})]: tier hits and prefetched chunks are served
-        now, disk reads go out; finish_all() collects them."""
-        t0 = time.perf_counter()
-        handles = []
-        try:
-            self._collect()
-            for si, kinds in wanted:
-                entry = self.segments[si].entry
-                missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
-                                  if (kind, si, int(i)) not in self.loaded]
-                           for kind, ids in kinds.items()}
-                missing = {kind: ids for kind, ids in missing.items() if ids}
-                reading = None
-                if missing:
-                    ratios = {kind: self.store.chunk_ratios(entry, ids)
-                              for kind, ids in missing.items()}
-                    reading = self.store.start_kv_chunks(entry, missing, self.segments[si].node,
-                                                         ratios, ahead=self.prefetched.get(si))
-                handles.append((si, kinds, missing, reading))
-        except BaseException:
-            self._drain(handles)
-            raise
-        finally:
-            self.stats.load_s += time.perf_counter() - t0
-        return handles
-
-    def finish_all(self, handles) -> dict[int, dict[str, list[torch.Tensor]]]:
-        t0 = time.perf_counter()
-        out = {}
-        try:
-            for n, (si, kinds, missing, reading) in enumerate(handles):
-                if reading is not None:
-                    try:
-                        chunks, served = self.store.finish_kv_chunks(reading)
-                    except BaseException:
-                        self._drain(handles[n + 1:])
-                        raise
-                    for kind, ids in missing.items():
-                        for i, t in zip(ids, chunks[kind]):
-                            self.loaded[(kind, si, i)] = t
-                    for tier in ("gpu", "cpu", "disk"):
-                        self.stats.bytes_read[tier] += served[tier]
-                    self.stats.chunks_read += served["disk_chunks"]
-                    self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
-                out[si] = {kind: [self.loaded[(kind, si, int(i))] for i in ids]
-                           for kind, ids in kinds.items()}
-        finally:
-            self.stats.load_s += time.perf_counter() - t0
-        return out
-
-    def close(self) -> None:
-        self._drain_prefetch(self.prefetching)
-        self.prefetching = []
-
-    def _drain(self, handles) -> None:
-        """Wait for reads nobody will use (their buffers must not be written later)."""
-        for _, _, _, reading in handles:
-            if reading is not None:
-                try:
-                    self.store.finish_kv_chunks(reading)
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
-
-    def _drain_prefetch(self, pending) -> None:
-        for _, read in pending:
-            try:
-                self.store.finish_prefetch(read)
-            except Exception:  # noqa: BLE001 - nobody asked for these chunks
-                pass
-
-
-class _ReadAhead:
-    """Starts a layer's reads one layer ahead, on the store's reader threads.
-
-    The probe keys of layer l+1 do not depend on layer l's result, so their read hides
-    behind layer l's compute; only the wait that is left shows as probe time. A policy
-    that loads every chunk (`loads_everything`: full) has its next layer's K and V read
-    ahead the same way; one that predicts its selection (`prefetch_last_selection`:
-    impress) has the chunks the last query selected on that (node, layer) read ahead, and
-    only what the new selection adds is read after it. Decoding stays on the calling thread
-    (a second thread doing tensor work would fight the compute threads for the cores). A
-    read that fails (CRC, missing file) raises when its layer asks for it, as a direct read
-    would.
-    """
-
-    def __init__(self, engine: "Engine", segments_nodes, stats: RequestStats):
-        self.store = engine.store
-        self.n_layers = engine.math.n_layers
-        self.segments_nodes = segments_nodes
-        self.stats = stats
-        stored = bool(segments_nodes) and engine.store is not None
-        self.policy = engine.policy
-        self.probes_on = stored and engine.policy.reads_probe
-        self.whole_layers = stored and engine.policy.loads_everything
-        self.last_selection = stored and engine.policy.prefetch_last_selection
-        self.pending: dict[int, list] = {}
-        self.ready: dict[int, ProbeKeys | BaseException] = {}
-        self.loaders: dict[int, _LayerLoader] = {}
-
-    def loader(self, layer: int) -> "_LayerLoader":
-        """The loader of `layer` (with its reads ahead, if any)."""
-        got = self.loaders.pop(layer, None)
-        if got is None:
-            segments = [Segment(node, used, self.store.entry(node, layer))
-                        for node, used in self.segments_nodes]
-            got = _LayerLoader(self.store, layer, segments, self, self.stats)
-        return got
-
-    def start(self, layer: int) -> None:
-        if layer >= self.n_layers:
-            return
-        if self.probes_on and self.policy.probes_layer(layer) and layer not in self.pending:
-            reads = []
-            try:
-                for node, _ in self.segments_nodes:
-                    reads.append(self.store.start_probe(self.store.entry(node, layer), node))
-            except BaseException:
-                self._drain(reads)   # the request fails (a missing file): nothing in flight
-                raise
-            self.pending[layer] = reads
-        if (self.whole_layers or self.last_selection) and layer not in self.loaders:
-            loader = self.loaders[layer] = self.loader(layer)
-            if self.whole_layers:
-                likely = [seg.all_chunks() for seg in loader.segments]
-            else:
-                likely = [self.store.last_selected_chunks(seg.entry) for seg in loader.segments]
-            loader.prefetch([(si, {"k": ids, "v": ids})
-                             for si, ids in enumerate(likely) if len(ids)])
-
-    def decode_probe(self, layer: int) -> None:
-        """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
-        result() hands it over, or raises what reading it raised."""
-        if layer not in self.pending:
-            return
-        try:
-            self.ready[layer] = self._finish(layer)
-        except Exception as exc:  # noqa: BLE001 - raised by result(), if it is asked for
-            self.ready[layer] = exc
-
-    def result(self, layer: int) -> ProbeKeys:
-        """The probe keys of `layer` (stored order, with their logical positions)."""
-        if not self.probes_on:
-            raise RuntimeError("the policy reads no probe")
-        if layer in self.ready:
-            got = self.ready.pop(layer)
-            if isinstance(got, BaseException):
-                raise got
-            return got
-        return self._finish(layer)
-
-    def _finish(self, layer: int) -> ProbeKeys:
-        self.start(layer)
-        reads = self.pending.pop(layer)
-        parts, columns, width = [], [], 0   # columns: logical position -> column
-        try:
-            for (_, used), pending in zip(self.segments_nodes, reads):
-                entry = pending.entry
-                probe = self.store.finish_probe(pending)
-                # Keys stay in stored order (scoring maps its scores back); only an
-                # unreordered node can drop its unused tail by slicing.
-                if entry.mapping is None:
-                    probe = probe[:, :used]
-                    columns.append(np.arange(width, width + used))
-                else:
-                    columns.append(entry.physical_of[:used] + width)
-                parts.append(probe)
-                width += probe.shape[1]
-        except BaseException:
-            self._drain(reads[len(parts) + 1:])
-            raise
-        keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        reordered = any(pending.entry.mapping is not None for pending in reads)
-        return ProbeKeys(keys, np.concatenate(columns) if reordered else None)
-
-    def _drain(self, reads) -> None:
-        for pending in reads:
-            try:
-                self.store.finish_probe(pending)
-            except Exception:  # noqa: BLE001 - nobody asked for this read
-                pass
-
-    def close(self) -> None:
-        """Wait for reads still in flight: a failed request may quarantine their files next."""
-        for reads in self.pending.values():
-            self._drain(reads)
-        for loader in self.loaders.values():
-            loader.close()
-        self.pending.clear()
-        self.ready.clear()
-        self.loaders.clear()
 
 
 class _Relay:

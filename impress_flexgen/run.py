@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
-                  dtype_arg, int_range, run_main, write_json)
+                  int_range, run_main, write_json)
 from .errors import UserError
-from .paths import cache_dir
 
 GB = 1 << 30
 
@@ -96,13 +95,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .runtime import Runtime, RuntimeConfig, resolve_spec
+    from .runtime import Runtime, resolve_spec
+    from .service import DEFAULT_TIER_BYTES, ServiceConfig
 
-    # Room the planner leaves for the tiers the user sized (the defaults are small).
-    cfg = RuntimeConfig(model=args.model, model_path=args.model_path, placement=args.placement,
-                        offload_dir=args.offload_dir, seed=args.seed, dtype=dtype_arg(args.dtype),
-                        gpu_reserve_bytes=int((args.gpu_cache_gb or 0) * GB),
-                        cpu_reserve_bytes=int((args.cpu_cache_gb or 0) * GB))
+    # A request file is served with a server's tiers; the built-in workload's default tiers
+    # are a share of its prefix KV (serve()): the runtime leaves room for what was sized.
+    config = ServiceConfig.from_args(args, timeout_s=float("inf"), default_tiers=(
+        DEFAULT_TIER_BYTES if args.requests is not None else (0, 0)))
+    cfg = config.runtime_config()
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
     tokenizer = jobs = output = None
@@ -112,22 +112,19 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(spec)
     if args.prompt:
         args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
+    store_root = None
     if args.requests is not None:
         from .service import Frontend, read_requests
 
         jobs = read_requests(args.requests, Frontend(spec, tokenizer, args.chunk_size),
                              args.max_new_tokens)
-        claim_store_root(Path(args.store_dir).expanduser() if args.store_dir
-                         else cache_dir() / "stores" / spec.name)
+        claim_store_root(config.store.root_for(spec.name))
         output = open_output(args.output)
-        store_root = None
     elif args.prompt_token_ids is not None:
         check_prompts(spec, args.prompt_token_ids, args.max_new_tokens)
-        store_root = None
     else:
         check_workload(spec, args)
-        store_root = Path(args.store_dir).expanduser() if args.store_dir \
-            else cache_dir() / "stores" / spec.name
+        store_root = config.store.root_for(spec.name)
         claim_store_root(store_root)
     with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
               f"{device}), weights {weights}, built in {rt.load_s:.1f} s")
         print(f"placement: {rt.placement.describe()}")
         if jobs is not None:
-            return serve_requests(rt, args, jobs, output)
+            return serve_requests(rt, config, args, jobs, output)
         if store_root is None:
             return generate(rt, args)
         return serve(rt, args, store_root)
@@ -167,8 +164,8 @@ def check_workload(spec, args) -> None:
 def serve(rt, args, root: Path) -> int:
     from tqdm import tqdm
 
-    from .engine import TierSizes
-    from .serving import RunConfig, kv_bytes_per_token, run_workload
+    from .service import ServiceConfig, redact_url
+    from .serving import kv_bytes_per_token, run_workload
     from .workload import WorkloadConfig, build_workload
 
     wl = build_workload(rt.tokenizer, WorkloadConfig(
@@ -176,31 +173,30 @@ def serve(rt, args, root: Path) -> int:
         queries_per_prefix=args.queries, query_tokens=args.query_tokens,
         distribution=args.distribution, mode=args.workload, real_tokens=args.real_tokens))
     pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
-    tiers = TierSizes(
-        int(args.gpu_cache_gb * GB) if args.gpu_cache_gb is not None else int(0.10 * pool),
-        int(args.cpu_cache_gb * GB) if args.cpu_cache_gb is not None else int(0.25 * pool),
-        verify_hits=args.verify_tier_hits)
+    names = (["full"] if args.check and "full" not in args.policies else []) + args.policies
+    # One configuration per policy, from the same flags; tiers not sized: 10% and 25% of
+    # the workload's prefix KV.
+    configs = {name: ServiceConfig.from_args(args, policy=name,
+                                             default_tiers=(int(0.10 * pool), int(0.25 * pool)))
+               for name in names}
+    config = configs[names[-1]]
+    tiers, store = config.tiers, config.store
     print(f"workload: {args.prefixes} prefixes x {args.prefix_tokens} tokens from "
           f"{', '.join(sorted(set(wl.sources)))}; {len(wl.queries)} queries of "
           f"{args.query_tokens} tokens ({args.distribution}); prefix KV {pool / 2**20:.1f} MiB")
+    disk = "unlimited" if store.disk_capacity_bytes is None else \
+        f"{store.disk_capacity_bytes / GB:g} GB"
     print(f"tiers: GPU {tiers.gpu_bytes / 2**20:.1f} MiB, CPU {tiers.cpu_bytes / 2**20:.1f} MiB, "
-          f"disk {'unlimited' if args.disk_capacity_gb is None else f'{args.disk_capacity_gb} GB'}"
-          f"; store {root}")
-    names = (["full"] if args.check and "full" not in args.policies else []) + args.policies
+          f"disk {disk}; store {root}")
+    print(config.plan_line())
     reference = {} if args.check else None
     results, sample = [], {}
     # disable=None: no progress bar when stderr is not a terminal (logs, pipes).
     with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req",
               disable=None) as bar:
         for name in names:
-            run = RunConfig(name, name, args.retention, args.granularity, args.threshold,
-                            args.threshold_value, args.adaptive_alpha, args.probe_heads,
-                            args.probe_format, args.chunk_size,
-                            reorder_hot_fraction=args.reorder_hot_fraction,
-                            reorder_by=args.reorder_by, probe_queries=args.probe_queries,
-                            probe_stride=args.probe_stride, probe_every=args.probe_every,
-                            prefetch=args.prefetch)
-            store_dir = root / _store_name(name, args)
+            config = configs[name]
+            store_dir = root / _store_name(name, config.run)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")
 
@@ -209,11 +205,9 @@ def serve(rt, args, root: Path) -> int:
                     sample[name] = (p, query, resp.tokens)
 
             results.append(run_workload(
-                rt, wl, run, tiers, store_dir=store_dir, reference=reference,
-                max_new_tokens=args.max_new_tokens,
-                disk_capacity_bytes=int(args.disk_capacity_gb * GB)
-                if args.disk_capacity_gb is not None else None,
-                reorder_interval=args.reorder_interval, progress=bar, on_response=keep_sample))
+                rt, wl, config.run, config.tiers, store_dir=store_dir, reference=reference,
+                max_new_tokens=args.max_new_tokens, store=config.store, progress=bar,
+                on_response=keep_sample))
     print_summary(results, check=args.check)
     if sample:
         name = args.policies[-1]
@@ -225,7 +219,9 @@ def serve(rt, args, root: Path) -> int:
         "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
         "queries": len(wl.queries), "query_tokens": args.query_tokens,
         "distribution": args.distribution, "sources": wl.sources, "pool_kv_bytes": pool,
-        "gpu_tier_bytes": tiers.gpu_bytes, "cpu_tier_bytes": tiers.cpu_bytes},
+        "gpu_tier_bytes": tiers.gpu_bytes, "cpu_tier_bytes": tiers.cpu_bytes,
+        "shared_pool": redact_url(tiers.remote_url) if tiers.remote_url else None,
+        "disk_read_limit_mb_s": store.read_limit_mb_s},
         "results": results})
     return 0
 
@@ -256,30 +252,40 @@ def _store_name(policy: str, args) -> str:
 
 
 def print_summary(results, check: bool) -> None:
+    from .serving import PLAN_KINDS
+    from .tiers import CPU, GPU
+
+    names = list(results[0]["bytes_read"]) if results else []
+    read = f"read {'/'.join(names)} MiB"
+    width = max(22, len(read))
+    plans = "/".join(PLAN_KINDS)
     print()
     head = (f"{'policy':<16}{'TTFT mean':>10}{'P99':>8}  {'match':>6}{'probe':>7}{'select':>7}"
-            f"{'load':>7}{'compute':>8}  {'read GPU/CPU/disk MiB':>22}{'GPU hit':>8}{'CPU hit':>8}"
-            f"{'fallbk':>7}{'amplif':>7}")
+            f"{'load':>7}{'compute':>8}  {read:>{width}}{'GPU hit':>8}{'CPU hit':>8}"
+            f"{'fallbk':>7}{'amplif':>7}  {plans:>{len(plans)}}")
     if check:
         head += f"{'KL':>8}{'top1':>6}"
     print(head)
     for r in results:
         b = r["ttft_breakdown_s"]
-        mib = "/".join(f"{r['bytes_read'][t] / 2**20:.1f}" for t in ("gpu", "cpu", "disk"))
+        mib = "/".join(f"{r['bytes_read'].get(t, 0) / 2**20:.1f}" for t in names)
         tiers = r["tiers"] or {}
         hit = {t: (tiers[t]["hits"] / max(1, tiers[t]["hits"] + tiers[t]["misses"]))
-               if tiers else 0.0 for t in ("gpu", "cpu")}
+               if tiers else 0.0 for t in (GPU, CPU)}
+        counts = "/".join(str(r["plans"][p]) for p in PLAN_KINDS)
         line = (f"{r['label']:<16}{r['ttft_mean_s']:>10.3f}{r['ttft_p99_s']:>8.3f}  "
                 f"{b['match_s']:>6.3f}{b['probe_s']:>7.3f}{b['select_s']:>7.3f}{b['load_s']:>7.3f}"
-                f"{b['compute_s']:>8.3f}  {mib:>22}{hit['gpu']:>8.2f}{hit['cpu']:>8.2f}"
-                f"{r['fallback_rate']:>7.2f}{r['read_amplification']:>7.2f}")
+                f"{b['compute_s']:>8.3f}  {mib:>{width}}{hit[GPU]:>8.2f}{hit[CPU]:>8.2f}"
+                f"{r['fallback_rate']:>7.2f}{r['read_amplification']:>7.2f}  "
+                f"{counts:>{len(plans)}}")
         if check:
             kl = "-" if r["kl"] is None else f"{r['kl']:.4f}"
             t1 = "-" if r["top1_agreement"] is None else f"{r['top1_agreement']:.2f}"
             line += f"{kl:>8}{t1:>6}"
         print(line)
     print("(seconds per request; TTFT parts: radix match, probe-key load, selection, KV load "
-          "through the tiers, compute)")
+          f"through the tiers, compute; {plans}: how the queries with a stored prefix were "
+          "served)")
 
 
 def open_output(path: str | None):
@@ -293,21 +299,25 @@ def open_output(path: str | None):
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def serve_requests(rt, args, jobs, output) -> int:
+def serve_requests(rt, config, args, jobs, output) -> int:
     """Serve a request file's jobs in order through the store; one output line each."""
     import json
 
     import numpy as np
     from tqdm import tqdm
 
-    from .service import Service, ServiceConfig, ServiceError
+    from .service import Service, ServiceError
+    from .serving import PLAN_KINDS
+    from .tiers import REMOTE
 
     records = []
-    # Every line was checked already; a request file waits as long as its requests take.
-    config = ServiceConfig.from_args(args, timeout_s=float("inf"))
     try:
+        # Every line was checked already; a request file waits as long as its requests take.
         with Service(config, runtime=rt, tokenizer=rt.tokenizer) as service:
-            print(service.describe()[2])     # policy and store (model, placement: above)
+            for line in service.describe_serving():   # model, placement: above
+                print(line)
+            for warning in service.warnings:
+                print(f"python -m impress_flexgen.run: warning: {warning}", file=sys.stderr)
             with tqdm(total=len(jobs), desc="requests", unit="req", disable=None) as bar:
                 for job in jobs:
                     try:
@@ -322,21 +332,28 @@ def serve_requests(rt, args, jobs, output) -> int:
                     else:
                         s = done.stats
                         tqdm.write(f"--- {job.id}: {done.prompt_tokens} prompt tokens "
-                                   f"({s['matched_tokens']} from the store), "
-                                   f"{done.completion_tokens} new ({done.finish_reason}), "
-                                   f"TTFT {s['ttft_s']:.3f} s")
+                                   f"({s['matched_tokens']} from the store, "
+                                   f"{s['shared_tokens']} from the shared pool; plan "
+                                   f"{s['plan'] or '-'}), {done.completion_tokens} new "
+                                   f"({done.finish_reason}), TTFT {s['ttft_s']:.3f} s")
                         tqdm.write(f"+++ {done.text}")
                     bar.update(1)
     finally:
         if output is not None:
             output.close()
-    matched = sum(r["stats"]["matched_tokens"] for r in records)
+    stats = [r["stats"] for r in records]
+    matched = sum(s["matched_tokens"] for s in stats)
     prompt = sum(r["prompt_tokens"] for r in records)
-    ttft = [r["stats"]["ttft_s"] for r in records]
+    ttft = [s["ttft_s"] for s in stats]
+    plans = {p: sum(s["plan"] == p for s in stats) for p in PLAN_KINDS}
+    shared = sum(s["bytes_read"].get(REMOTE, 0) for s in stats)
     print(f"{len(records)} requests: {matched} of {prompt} prompt tokens from the store, "
-          f"TTFT mean {np.mean(ttft):.3f} s, P99 {np.percentile(ttft, 99):.3f} s"
+          f"TTFT mean {np.mean(ttft):.3f} s, P99 {np.percentile(ttft, 99):.3f} s; plans "
+          + ", ".join(f"{p} {n}" for p, n in plans.items())
+          + f"; {shared / 2**20:.1f} MiB from the shared pool"
           + (f"; results in {args.output}" if args.output else ""))
-    write_json(args.json, {"model": rt.spec.name, "policy": args.policy, "results": records})
+    write_json(args.json, {"model": rt.spec.name, "policy": args.policy, "plans": plans,
+                           "shared_bytes": shared, "results": records})
     return 0
 
 

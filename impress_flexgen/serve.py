@@ -9,7 +9,8 @@ GET /v1/models, /health and /metrics (Prometheus). Every full chunk of every pro
 matched against and inserted into the store (service.py), so a shared system prompt or a
 growing conversation is read back instead of recomputed, also by a later server on the same
 --store-dir. Errors are OpenAI's error bodies with a 4xx status; a full queue is 429.
-SIGTERM stops accepting, lets requests in flight finish, then closes the store.
+SIGTERM stops accepting, lets requests in flight finish, then closes the engine (and its
+shared pool) and the store.
 """
 # No `from __future__ import annotations`: FastAPI reads the request models of the routes
 # below from their annotations, and those models are local to create_app.
@@ -384,6 +385,9 @@ def main(argv=None) -> int:
     try:
         for line in service.describe():
             print(line, flush=True)
+        for warning in service.warnings:
+            print(f"python -m impress_flexgen.serve: warning: {warning}", file=sys.stderr,
+                  flush=True)
         server = _uvicorn_server(service, args.log_level, graceful_s=args.timeout_s)
         # Listening from now on: connections wait in the backlog while uvicorn starts.
         sock.listen(2048)

@@ -32,6 +32,7 @@ from typing import Callable
 
 from .errors import UserError
 from .sampling import SamplingParams
+from .store.config import CHUNK_SIZE
 
 log = logging.getLogger("impress_flexgen.service")
 
@@ -61,70 +62,144 @@ class ServiceError(Exception):
 
 
 # -- configuration ---------------------------------------------------------------------------
+DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """Where a run's stores live and how they behave on this machine. What shapes a store's
+    files (chunk size, probe format, layout) belongs to the RunConfig (store_options())."""
+
+    root: str | Path | None = None          # None: <cache>/stores/<model>
+    disk_capacity_bytes: int | None = None  # None: unlimited
+    reorder_interval: int = 50              # queries between background reorders; 0: never
+    read_limit_mb_s: float | None = None    # disk read bandwidth cap; None: none
+
+    def root_for(self, model_name: str) -> Path:
+        from .paths import cache_dir
+
+        return Path(self.root).expanduser() if self.root else cache_dir() / "stores" / model_name
+
+    def open_options(self) -> dict:
+        """open_store keyword arguments (besides the RunConfig's)."""
+        return {"disk_capacity_bytes": self.disk_capacity_bytes,
+                "reorder_interval": self.reorder_interval,
+                "read_limit_mb_s": self.read_limit_mb_s}
+
+
+def _default_runtime():
+    from .runtime import AUTO, RuntimeConfig
+
+    return RuntimeConfig(placement=AUTO)
+
+
+def _default_run():
+    from .serving import RunConfig
+
+    return RunConfig("impress", "impress")
+
+
+def _default_tiers():
+    from .engine import TierSizes
+
+    return TierSizes(*DEFAULT_TIER_BYTES)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig:
-    model: str = "smollm2-135m"
-    model_path: str | None = None
-    seed: int = 0                           # of random weights
-    dtype: object = None
-    placement: object = None                # runtime.Placement; None: auto
-    offload_dir: str | None = None
-    run: object = None                      # serving.RunConfig; None: impress, defaults
-    store_root: str | Path | None = None    # None: <cache>/stores/<model>
-    gpu_cache_bytes: int = 256 << 20
-    cpu_cache_bytes: int = 1 << 30
-    verify_tier_hits: bool = False
-    disk_capacity_bytes: int | None = None
-    reorder_interval: int = 50
+    """Everything a server or a run serves with, each part held once by the layer that owns
+    it: the model and its placement, the policy's knobs, the tiers, the store."""
+
+    runtime: object = dataclasses.field(default_factory=_default_runtime)   # RuntimeConfig
+    run: object = dataclasses.field(default_factory=_default_run)           # serving.RunConfig
+    tiers: object = dataclasses.field(default_factory=_default_tiers)       # engine.TierSizes
+    store: StoreOptions = StoreOptions()
     queue_size: int = 16                    # requests waiting (the one being served aside)
     timeout_s: float = 600.0                # per request, from its arrival
+    # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
+    # folded into the part that owns it when the config is made, and never stored apart;
+    # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
+    model: dataclasses.InitVar[str | None] = None
+    store_root: dataclasses.InitVar[str | Path | None] = None
+    gpu_cache_bytes: dataclasses.InitVar[int | None] = None
+    cpu_cache_bytes: dataclasses.InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, model, store_root, gpu_cache_bytes, cpu_cache_bytes):
         if self.queue_size < 1:
             raise UserError("the queue must hold at least 1 request")
         if not self.timeout_s > 0:   # inf: no deadline
             raise UserError("the request timeout must be a positive number of seconds")
+        fold = object.__setattr__    # frozen: only here, while the object is being made
+        if model is not None:
+            fold(self, "runtime", dataclasses.replace(self.runtime, model=model))
+        if store_root is not None:
+            fold(self, "store", dataclasses.replace(self.store, root=store_root))
+        for name, size in (("gpu_bytes", gpu_cache_bytes), ("cpu_bytes", cpu_cache_bytes)):
+            if size is not None:
+                fold(self, "tiers", dataclasses.replace(self.tiers, **{name: size}))
 
     @classmethod
-    def from_args(cls, args, **overrides) -> "ServiceConfig":
-        """From the flags of cli.add_model_args and cli.add_serving_args."""
+    def from_args(cls, args, *, policy: str | None = None,
+                  default_tiers: tuple[int, int] = DEFAULT_TIER_BYTES,
+                  **fields) -> "ServiceConfig":
+        """The configuration the flags of cli.add_model_args and cli.add_serving_args ask
+        for, for the main job and the server alike. `policy`: one of --compare's (default
+        --policy); `default_tiers`: GPU and CPU tier bytes where --gpu-cache-gb and
+        --cpu-cache-gb are not given; `fields`: the rest (queue_size, timeout_s)."""
         from .cli import dtype_arg
+        from .engine import TierSizes
+        from .runtime import RuntimeConfig
         from .serving import RunConfig
 
-        run = RunConfig(args.policy, args.policy, args.retention, args.granularity,
-                        args.threshold, args.threshold_value, args.adaptive_alpha,
-                        args.probe_heads, args.probe_format, args.chunk_size,
-                        reorder_hot_fraction=args.reorder_hot_fraction,
-                        reorder_by=args.reorder_by, probe_queries=args.probe_queries,
-                        probe_stride=args.probe_stride, probe_every=args.probe_every,
-                        prefetch=args.prefetch)
-        fields = dict(
-            model=args.model, model_path=args.model_path, seed=args.seed,
-            dtype=dtype_arg(args.dtype), placement=args.placement,
-            offload_dir=args.offload_dir, run=run, store_root=args.store_dir,
-            disk_capacity_bytes=None if args.disk_capacity_gb is None
-            else int(args.disk_capacity_gb * GB),
-            reorder_interval=args.reorder_interval, verify_tier_hits=args.verify_tier_hits)
-        if args.gpu_cache_gb is not None:
-            fields["gpu_cache_bytes"] = int(args.gpu_cache_gb * GB)
-        if args.cpu_cache_gb is not None:
-            fields["cpu_cache_bytes"] = int(args.cpu_cache_gb * GB)
-        fields.update(overrides)
-        return cls(**fields)
-
-    def run_config(self):
-        from .serving import RunConfig
-
-        return self.run if self.run is not None else RunConfig("impress", "impress")
+        name = policy or args.policy
+        run = RunConfig(
+            label=name, policy=name, retention=args.retention, granularity=args.granularity,
+            threshold=args.threshold, threshold_value=args.threshold_value,
+            adaptive_alpha=args.adaptive_alpha, probe_heads=args.probe_heads,
+            probe_format=args.probe_format, chunk_size=args.chunk_size,
+            reorder_hot_fraction=args.reorder_hot_fraction, reorder_by=args.reorder_by,
+            probe_queries=args.probe_queries, probe_stride=args.probe_stride,
+            probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
+        gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
+                    zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
+        tiers = TierSizes(gpu, cpu, verify_hits=args.verify_tier_hits,
+                          remote_url=args.remote_tier)
+        store = StoreOptions(root=args.store_dir, reorder_interval=args.reorder_interval,
+                             disk_capacity_bytes=None if args.disk_capacity_gb is None
+                             else int(args.disk_capacity_gb * GB),
+                             read_limit_mb_s=args.disk_read_limit)
+        runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
+                                placement=args.placement, offload_dir=args.offload_dir,
+                                seed=args.seed, dtype=dtype_arg(args.dtype))
+        return cls(runtime=runtime, run=run, tiers=tiers, store=store, **fields)
 
     def runtime_config(self):
-        from .runtime import Placement, RuntimeConfig
+        """The runtime's configuration, leaving room for the tiers."""
+        return dataclasses.replace(self.runtime, gpu_reserve_bytes=self.tiers.gpu_bytes,
+                                   cpu_reserve_bytes=self.tiers.cpu_bytes)
 
-        placement = self.placement if self.placement is not None else Placement.parse("auto")
-        return RuntimeConfig(model=self.model, model_path=self.model_path, placement=placement,
-                             offload_dir=self.offload_dir, seed=self.seed, dtype=self.dtype,
-                             gpu_reserve_bytes=self.gpu_cache_bytes,
-                             cpu_reserve_bytes=self.cpu_cache_bytes)
+    def plan_line(self) -> str:
+        """The plan mode, the shared pool and the disk read limit, for a start-up line."""
+        plan = {"auto": "auto (load, recompute or both per request, by the cost model)",
+                "both": "both (recompute the front while the rest loads)"}
+        line = f"plan {plan.get(self.run.plan, self.run.plan)}; "
+        line += (f"shared pool {redact_url(self.tiers.remote_url)}" if self.tiers.remote_url
+                 else "no shared pool")
+        if self.store.read_limit_mb_s is not None:
+            line += f"; disk reads held to {self.store.read_limit_mb_s:g} MB/s"
+        return line
+
+
+def redact_url(url: str) -> str:
+    """A pool's url fit to print: a password in it is replaced by ***."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if not parts.password:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
 
 
 # -- prompts in ------------------------------------------------------------------------------
@@ -137,7 +212,7 @@ class Job:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     id: str = ""
-    chunk_size: int = 16
+    chunk_size: int = CHUNK_SIZE
 
     def split(self) -> tuple[list[int], list[int]]:
         """(prefix, query): every whole chunk before the last token is prefix (matched and
@@ -151,7 +226,7 @@ class Frontend:
     """Turns what a user sends into a Job, or a ServiceError saying what is wrong. Needs only
     the model's spec and tokenizer (a request file is checked before the model is built)."""
 
-    def __init__(self, spec, tokenizer, chunk_size: int = 16):
+    def __init__(self, spec, tokenizer, chunk_size: int = CHUNK_SIZE):
         self.spec = spec
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
@@ -391,19 +466,27 @@ class Ticket:
         return self._cancelled.is_set()
 
 
+def _ratio(counters: dict) -> float:
+    """hits / (hits + misses) of a tier's counters (0 before any access)."""
+    total = counters.get("hits", 0) + counters.get("misses", 0)
+    return counters.get("hits", 0) / total if total else 0.0
+
+
 # -- the service ---------------------------------------------------------------------------------
 class Service:
-    def __init__(self, config: ServiceConfig = ServiceConfig(), runtime=None, tokenizer=None):
+    def __init__(self, config: ServiceConfig | None = None, runtime=None, tokenizer=None):
         """Builds the runtime (unless one is given: then it stays the caller's to close),
-        opens the store and starts the worker."""
+        opens the store, builds the engine (its planner calibrated, its shared pool asked
+        once) and starts the worker."""
         from policies import POLICY_NAMES, make_policy
 
-        from .engine import Engine, TierSizes, open_store
+        from .engine import Engine, open_store
         from .run import _store_name, claim_store_root
         from .runtime import Runtime, resolve_spec
+        from .serving import start_engine
 
-        self.config = config
-        run = config.run_config()
+        config = self.config = config if config is not None else ServiceConfig()
+        run = config.run
         if run.policy.partition(":")[0] not in POLICY_NAMES:
             raise UserError(f"unknown policy '{run.policy}'; choose from "
                             f"{', '.join(POLICY_NAMES)}")
@@ -411,14 +494,15 @@ class Service:
         if runtime is None:
             rcfg = config.runtime_config()
             spec = resolve_spec(rcfg)
-            root = self._store_root(spec.name)
+            root = config.store.root_for(spec.name)
             claim_store_root(root)
             runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
         else:
-            root = self._store_root(runtime.spec.name)
+            root = config.store.root_for(runtime.spec.name)
             claim_store_root(root)
         self.rt = runtime
         self.store = None
+        self.engine = None
         try:
             self.model_name = runtime.spec.name
             self.frontend = Frontend(runtime.spec, tokenizer or runtime.tokenizer,
@@ -431,16 +515,15 @@ class Service:
                 try:
                     self.store = open_store(
                         self.store_dir, runtime, run.serving(), self.policy,
-                        disk_capacity_bytes=config.disk_capacity_bytes,
-                        reorder_interval=config.reorder_interval, **run.store_options())
+                        **{**config.store.open_options(), **run.store_options()})
                 except OSError as exc:
                     raise UserError(f"cannot open the store in {self.store_dir}: "
                                     f"{exc.strerror or exc}") from None
-            self.engine = Engine(runtime, self.store, self.policy,
-                                 TierSizes(config.gpu_cache_bytes, config.cpu_cache_bytes,
-                                           verify_hits=config.verify_tier_hits))
+            self.engine = Engine(runtime, self.store, self.policy, config.tiers)
+            # Before any request: none pays for calibrating, none waits on a dead pool.
+            self.warnings = start_engine(self.engine)
         except BaseException:
-            self._close_store_and_runtime()
+            self._close_engine_store_and_runtime()
             raise
         self.created = int(time.time())
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
@@ -449,42 +532,48 @@ class Service:
         self._closed = False
         self._running = 0
         self._layers = [0, 0]          # prefix layers served from the store, of them fallen back
+        self._fallbacks_seen = 0       # the engine's shared-pool fallbacks already counted
         self._init_metrics()
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
-    def _store_root(self, model_name: str) -> Path:
-        from .paths import cache_dir
-
-        root = self.config.store_root
-        return Path(root).expanduser() if root else cache_dir() / "stores" / model_name
-
     def describe(self) -> list[str]:
-        """Lines for a user: what is served, from where."""
+        """Lines for a user: what is served, from where, how."""
         import torch
 
         spec = self.rt.spec
         weights = f"random (seed {spec.seed})" if spec.random_weights else "real"
         device = "cuda" if torch.cuda.is_available() else "cpu only"
-        lines = [f"model {spec.name} ({spec.family}, {spec.config.dtype.__name__}, {device}), "
-                 f"weights {weights}, {spec.config.max_seq_len} positions",
-                 f"placement: {self.rt.cfg.placement.describe()}"]
+        return [f"model {spec.name} ({spec.family}, {spec.config.dtype.__name__}, {device}), "
+                f"weights {weights}, {spec.config.max_seq_len} positions",
+                f"placement: {self.rt.cfg.placement.describe()}",
+                *self.describe_serving(),
+                f"queue: {self.config.queue_size} requests, timeout "
+                f"{self.config.timeout_s:g} s"]
+
+    def describe_serving(self) -> list[str]:
+        """The policy, its store and tiers; the plan mode and the shared pool."""
         if self.store is None:
-            lines.append(f"policy {self.policy.name}: no store (prefixes are recomputed)")
-        else:
-            held = len(self.store.tree)
-            lines.append(f"policy {self.policy.name}, store {self.store_dir} "
-                         f"({held} stored prefix nodes{', reused' if held else ''}); tiers GPU "
-                         f"{self.config.gpu_cache_bytes / 2**20:.0f} MiB, CPU "
-                         f"{self.config.cpu_cache_bytes / 2**20:.0f} MiB")
-        lines.append(f"queue: {self.config.queue_size} requests, timeout "
-                     f"{self.config.timeout_s:g} s")
-        return lines
+            return [f"policy {self.policy.name}: no store (prefixes are recomputed)"]
+        held = len(self.store.tree)
+        tiers = self.config.tiers
+        plan = self.config.plan_line()
+        if self.engine.shared is None and tiers.remote_url:
+            plan += " (not used: this policy reads no store)"
+        elif self.engine.shared is not None and self.engine.shared.tier.metrics()["down"]:
+            plan += " (not answering: requests are served locally)"
+        return [f"policy {self.policy.name}, store {self.store_dir} "
+                f"({held} stored prefix nodes{', reused' if held else ''}); tiers GPU "
+                f"{tiers.gpu_bytes / 2**20:.0f} MiB, CPU {tiers.cpu_bytes / 2**20:.0f} MiB",
+                plan]
 
     # -- metrics --------------------------------------------------------------------------------
     def _init_metrics(self) -> None:
         from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                        disable_created_metrics)
+
+        from .serving import PLAN_KINDS
+        from .tiers import REMOTE
 
         disable_created_metrics()   # no *_created series: they only repeat the start time
         r = self.registry = CollectorRegistry()
@@ -507,21 +596,28 @@ class Service:
         for outcome in OUTCOMES:
             self.m_requests.labels(outcome)
         self.m_prompt = Counter("prompt_tokens", "Prompt tokens, by whether the store had "
-                                "their KV (matched) or they were computed", ["source"],
-                                namespace=ns, registry=r)
+                                "their KV (matched), the shared pool had it (shared), or they "
+                                "were computed", ["source"], namespace=ns, registry=r)
         self.m_completion = Counter("completion_tokens", "Generated tokens", namespace=ns,
                                     registry=r)
         self.m_bytes = Counter("kv_bytes_read", "Prefix KV bytes read, by tier", ["tier"],
                                namespace=ns, registry=r)
         self.m_probe = Counter("probe_bytes_read", "Probe-key bytes read", namespace=ns,
                                registry=r)
-        for tier in ("gpu", "cpu", "disk"):
+        for tier in self.engine.tier_names:
             self.m_bytes.labels(tier)
-        for source in ("matched", "computed"):
+        for source in ("matched", "shared", "computed"):
             self.m_prompt.labels(source)
+        self.m_plans = Counter("plans", "Requests with a stored prefix, by how it was served "
+                               "(load it, recompute it, or both)", ["plan"], namespace=ns,
+                               registry=r)
+        for plan in PLAN_KINDS:
+            self.m_plans.labels(plan)
         self.m_hit = Gauge("tier_hit_ratio", "Chunk hits / accesses of a tier since start",
                            ["tier"], namespace=ns, registry=r)
-        for tier in ("gpu", "cpu"):
+        memory = self.store.cache.tier_names if self.store is not None and \
+            self.store.cache is not None else ()
+        for tier in memory:
             self.m_hit.labels(tier).set_function(lambda tier=tier: self._hit_ratio(tier))
         self.m_store = Gauge("store_bytes", "Bytes of the store's files on disk", namespace=ns,
                              registry=r)
@@ -534,13 +630,21 @@ class Service:
                                 namespace=ns, registry=r)
         self.m_fallback.set_function(lambda: self._layers[1] / self._layers[0]
                                      if self._layers[0] else 0.0)
+        if self.engine.shared is not None:
+            pool = self.engine.shared.tier
+            self.m_hit.labels(REMOTE).set_function(lambda: _ratio(pool.metrics()))
+            self.m_down = Gauge("shared_pool_down", "1 while the shared pool does not answer "
+                                "(requests are then served locally)", namespace=ns,
+                                registry=r)
+            self.m_down.set_function(lambda: pool.metrics()["down"])
+            self.m_pool_fallbacks = Counter(
+                "shared_pool_fallbacks", "Requests served again without the shared pool (a "
+                "chunk it had could not be fetched whole)", namespace=ns, registry=r)
 
     def _hit_ratio(self, tier: str) -> float:
         if self.store is None or self.store.cache is None:
             return 0.0
-        m = self.store.cache.metrics[tier]
-        total = m.get("hits", 0) + m.get("misses", 0)
-        return m.get("hits", 0) / total if total else 0.0
+        return _ratio(self.store.cache.metrics[tier])
 
     def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest
@@ -648,7 +752,9 @@ class Service:
                  "computed_tokens": st.computed_tokens, "bytes_read": dict(st.bytes_read),
                  "probe_bytes": st.probe_bytes, "layers_fallback": st.layers_fallback,
                  "layers": st.layers if st.matched_tokens else 0,
-                 "decode_s_per_token": st.decode_s_per_token}
+                 "decode_s_per_token": st.decode_s_per_token,
+                 "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
+                 "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens}
         self._observe(ticket, stats, len(tokens), reason)
         return Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens, reason,
                           len(job.ids), stats)
@@ -659,7 +765,14 @@ class Service:
         self.m_prefill.observe(stats["engine_ttft_s"])
         self.m_latency.observe(stats["total_s"])
         self.m_prompt.labels("matched").inc(stats["matched_tokens"])
+        self.m_prompt.labels("shared").inc(stats["shared_tokens"])
         self.m_prompt.labels("computed").inc(stats["computed_tokens"])
+        if stats["plan"] is not None:
+            self.m_plans.labels(stats["plan"]).inc()
+        if self.engine.shared is not None:
+            fallbacks = self.engine.shared_fallbacks
+            self.m_pool_fallbacks.inc(fallbacks - self._fallbacks_seen)
+            self._fallbacks_seen = fallbacks
         self.m_completion.inc(n_tokens)
         for tier, n in stats["bytes_read"].items():
             self.m_bytes.labels(tier).inc(n)
@@ -678,15 +791,19 @@ class Service:
             self._closed = True
         self._queue.put(None)     # after every queued request
         self._worker.join()
-        self._close_store_and_runtime()
+        self._close_engine_store_and_runtime()
 
-    def _close_store_and_runtime(self) -> None:
+    def _close_engine_store_and_runtime(self) -> None:
         try:
-            if self.store is not None:
-                self.store.close()
+            if self.engine is not None:
+                self.engine.close()       # the shared pool's threads
         finally:
-            if self._owns_runtime and self.rt is not None:
-                self.rt.close()
+            try:
+                if self.store is not None:
+                    self.store.close()
+            finally:
+                if self._owns_runtime and self.rt is not None:
+                    self.rt.close()
 
     def __enter__(self) -> "Service":
         return self

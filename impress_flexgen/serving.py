@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shutil
 import sqlite3
 import tempfile
@@ -22,8 +23,15 @@ from policies import ServingConfig, make_policy
 from . import scratch
 from .engine import Engine, Request, TierSizes, model_shape, open_store
 from .errors import UserError
+from .planner import PLANS
 from .runtime import Runtime
+from .service import CHUNK_SIZE, StoreOptions
+from .tiers import GPU, REMOTE, TierConfig
 from .workload import Workload
+
+log = logging.getLogger("impress_flexgen.serving")
+
+PLAN_KINDS = tuple(p for p in PLANS if p != "auto")   # what a request's plan turns out to be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,7 @@ class RunConfig:
     adaptive_alpha: float = 0.6
     probe_heads: str | tuple[int, ...] = "auto"
     probe_format: str = "int4"
-    chunk_size: int = 16
+    chunk_size: int = CHUNK_SIZE
     decode_over: str = "kept"
     reorder_hot_fraction: float = 0.25   # see StoreConfig
     reorder_by: str = "importance"       # or "semantic" (StoreConfig)
@@ -48,6 +56,7 @@ class RunConfig:
     probe_stride: int = 1                # see ServingConfig
     probe_every: int = 1                 # see ServingConfig
     prefetch: bool = False               # see ServingConfig
+    plan: str = "load"                   # see ServingConfig: load, recompute, both or auto
 
     def store_options(self) -> dict:
         """The knobs of this row that shape its store (open_store keyword arguments)."""
@@ -62,7 +71,7 @@ class RunConfig:
                              probe_queries=self.probe_queries,
                              probe_stride=self.probe_stride, probe_every=self.probe_every,
                              prefetch=self.prefetch,
-                             decode_over=self.decode_over)
+                             decode_over=self.decode_over, plan=self.plan)
 
 
 def kv_bytes_per_token(runtime: Runtime) -> int:
@@ -87,17 +96,38 @@ class Prepared:
     reorder_s: float = 0.0
 
 
+def start_engine(engine: Engine) -> list[str]:
+    """What a server or a run does once its engine is built, before any request: calibrate
+    the planner (a few short prefills, or the cached curve), so that no request pays for it;
+    ask the shared pool once, so that one that does not answer is known now (it then
+    answers misses at once and requests are served locally until it is back). Returns
+    warnings for the user."""
+    from .service import redact_url
+    from .tiers.remote import DIGEST_SIZE
+
+    if engine.planner is not None:
+        engine.planner.cost()
+    warnings = []
+    if engine.shared is not None:
+        pool = engine.shared.tier
+        pool.batch_exists_chunks([bytes(DIGEST_SIZE)])   # one round trip, or marked down
+        if pool.metrics()["down"]:
+            warnings.append(f"the shared pool at {redact_url(pool.url)} does not answer; "
+                            "requests are served from the local tiers and store until it does")
+    return warnings
+
+
 @contextlib.contextmanager
 def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
              store_dir: Path | None = None, store_root: Path | None = None,
-             disk_capacity_bytes: int | None = None, reorder_interval: int | None = None
-             ) -> Iterator[Prepared]:
+             store: StoreOptions | None = None) -> Iterator[Prepared]:
     """Each prefix is first served once (computed and inserted, unless already stored),
-    then its warm-up queries run (their importance feeds the store). With
-    `reorder_interval` None, policies with reordering reorder once after the warm-up (a
-    benchmark sees a settled layout); otherwise the store reorders in the background every
-    that many queries. `store_dir` keeps the store (reused by the next run); without it a
-    temporary store under `store_root` is removed at the end."""
+    then its warm-up queries run (their importance feeds the store). Without `store`
+    (benchmarks), policies with reordering reorder once after the warm-up (a benchmark sees
+    a settled layout); with it (the main job), the store reorders in the background every
+    store.reorder_interval queries, and holds to its capacity and read limit. `store_dir`
+    keeps the store (reused by the next run); without it a temporary store under
+    `store_root` is removed at the end."""
     cfg = run.serving()
     policy = make_policy(run.policy, cfg)
     if run.tier_policy is not None:
@@ -110,31 +140,37 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSi
         except OSError as exc:
             raise UserError(f"cannot make a temporary store in {root}: "
                             f"{exc.strerror or exc}") from None
-    store = None
+    opened = engine = None
     try:
         if policy.reuse:
-            store = _open_store(store_dir or tmp, runtime, cfg, policy,
-                                disk_capacity_bytes=disk_capacity_bytes,
-                                reorder_interval=reorder_interval or 10**9,
-                                **run.store_options())
-        ready = Prepared(Engine(runtime, store, policy, tiers), policy, store)
+            options = {"reorder_interval": 10**9} if store is None else {
+                **store.open_options(), "reorder_interval": store.reorder_interval or 10**9}
+            opened = _open_store(store_dir or tmp, runtime, cfg, policy,
+                                 **{**options, **run.store_options()})
+        engine = Engine(runtime, opened, policy, tiers)
+        ready = Prepared(engine, policy, opened)
+        for warning in start_engine(engine):
+            log.warning("%s", warning)
         for p, prefix in enumerate(workload.prefixes):
-            ready.engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
+            engine.serve(Request(prefix, [prefix[-1]], 1, n_pad=workload.pad_of(p)))
         for p, query in workload.warmup:
-            ready.engine.serve(Request(workload.prefixes[p], query, 1,
-                                       n_pad=workload.pad_of(p)))
-        if store is not None:
-            if policy.reorder and reorder_interval is None:
+            engine.serve(Request(workload.prefixes[p], query, 1, n_pad=workload.pad_of(p)))
+        if opened is not None:
+            if policy.reorder and store is None:
                 t0 = time.perf_counter()
-                store.reorder_now()
+                opened.reorder_now()
                 ready.reorder_s = time.perf_counter() - t0
-            store.cache.reset_metrics()
+            opened.cache.reset_metrics()
         yield ready
     finally:
-        if store is not None:
-            store.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            if opened is not None:
+                opened.close()
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _open_store(path: Path, *args, **kwargs):
@@ -150,16 +186,14 @@ def _open_store(path: Path, *args, **kwargs):
 def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
                  store_dir: Path | None = None, store_root: Path | None = None,
                  reference: dict | None = None, max_new_tokens: int = 1,
-                 disk_capacity_bytes: int | None = None, reorder_interval: int | None = None,
-                 progress=None, on_response=None) -> dict:
+                 store: StoreOptions | None = None, progress=None, on_response=None) -> dict:
     """Serve the workload with one configuration (see prepared()); returns a result row.
 
     Only the measured queries count. `reference` maps query index -> full-KV query logits
     for KL; an empty dict is filled.
     """
     with prepared(runtime, workload, run, tiers, store_dir=store_dir, store_root=store_root,
-                  disk_capacity_bytes=disk_capacity_bytes,
-                  reorder_interval=reorder_interval) as ready:
+                  store=store) as ready:
         rows, kls, top1 = [], [], []
         for qi, (p, query) in enumerate(workload.queries):
             resp = ready.engine.serve(Request(workload.prefixes[p], query, max_new_tokens,
@@ -178,6 +212,7 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                 progress.update(1)
         row = summarize(run, ready.policy, rows, kls, top1, ready.store)
         row["reorder_s"] = ready.reorder_s
+        row["shared_fallbacks"] = ready.engine.shared_fallbacks
         if ready.store is not None:
             row["space"] = store_space(ready.store)
         return row
@@ -186,10 +221,13 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
 def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     ttft = np.array([r.ttft_s for r in rows])
     prefix_bytes = sum(r.prefix_bytes for r in rows)
-    loaded = {t: int(sum(r.bytes_read[t] for r in rows)) for t in ("gpu", "cpu", "disk")}
+    # Per tier name, fastest first (the shared pool's last, when there is one).
+    names = list(rows[0].bytes_read) if rows else list(TierConfig().names(remote=False))
+    loaded = {t: int(sum(r.bytes_read.get(t, 0) for r in rows)) for t in names}
     probe = int(sum(r.probe_bytes for r in rows))
     layers = sum(r.layers for r in rows if r.matched_tokens)
-    gpu = store.cache.metrics["gpu"] if store is not None else {"hits": 0, "misses": 0}
+    gpu = store.cache.metrics[GPU] if store is not None else {"hits": 0, "misses": 0}
+    planned = [r for r in rows if r.matched_tokens]
     accesses = gpu["hits"] + gpu["misses"]
     return {
         "policy": policy.name,
@@ -220,6 +258,12 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "tiers": store.cache.metrics if store is not None else None,
         "store_metrics": dataclasses.asdict(store.metrics) if store is not None else None,
         "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
+        # How the queries with a stored prefix were served, and what the pool gave.
+        "plans": {p: sum(r.plan == p for r in planned) for p in PLAN_KINDS},
+        "predicted_ttft_mean_s": float(np.mean([r.predicted_ttft_s for r in planned]))
+        if planned else 0.0,
+        "shared_tokens_mean": float(np.mean([r.shared_tokens for r in rows])),
+        "shared_bytes": loaded.get(REMOTE, 0),
         "reorders": store.metrics.reorders if store is not None else 0,
     }
 

@@ -30,6 +30,10 @@ class ServingConfig:
     decode_over: str = "kept"          # decode over the kept set, or "full" prefix
     decode_budget: int = 256           # tokens attended per layer and step by decode-phase
                                        # page policies (icecache, quest, page_*)
+    # How a matched prefix is served (impress_flexgen.planner): "load" it (the policy's
+    # selection), "recompute" it, "both" (recompute the front while the rest loads), or
+    # "auto": the cheapest of the three by the cost model.
+    plan: str = "load"
     seed: int = 0
 
     def __post_init__(self):
@@ -47,6 +51,8 @@ class ServingConfig:
             raise ValueError("probe_stride and probe_every must be positive")
         if self.decode_budget < 32:
             raise ValueError("decode_budget must be at least 32 tokens (two pages)")
+        if self.plan not in ("auto", "load", "recompute", "both"):
+            raise ValueError("plan must be auto, load, recompute or both")
 
     def budget(self, n: int) -> int:
         """k = ceil(r * n) tokens of an n-token prefix."""
@@ -219,9 +225,21 @@ class ServingPolicy:
         return {"policy": self.name, "tier_policy": self.tier_policy, "reorder": self.reorder}
 
 
-def tokens_of_chunks(seg: Segment, chunk_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def tokens_of_chunks(seg: Segment, chunk_ids: np.ndarray, first: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """For chunks concatenated in `chunk_ids` order: which rows hold prefix tokens (logical
-    position < used), and those tokens' logical positions."""
+    position in [first, used)), and those tokens' logical positions."""
     logical = seg.entry.logical_positions(np.asarray(chunk_ids, dtype=np.int64))
-    rows = np.flatnonzero(logical < seg.used)
+    rows = np.flatnonzero((logical < seg.used) & (logical >= first))
     return rows, logical[rows]
+
+
+def chunks_holding(seg: Segment, chunk_ids: np.ndarray, first: int) -> np.ndarray:
+    """Those of `chunk_ids` that hold a prefix token at logical position >= first (the
+    tokens before it are recomputed, not loaded)."""
+    ids = np.asarray(chunk_ids, dtype=np.int64)
+    if first <= 0 or len(ids) == 0:
+        return ids
+    if first >= seg.used:
+        return ids[:0]
+    return ids[np.isin(ids, np.unique(seg.logical_to_chunk()[first:]))]

@@ -228,7 +228,7 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
         (n,) = store.insert(p, 0, kv_from_bits(expected_bits(p)))
         a = store.match_prefix(p)
         entry = store.entry(n, 1)
-        pending = store.start_kv_chunks(entry, {"k": ids, "v": ids}, n)
+        pending = store.submit(entry, {"k": ids, "v": ids}, n)
 
         b = store.match_prefix(q)
         assert b.length == 2 * C
@@ -237,7 +237,7 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
         assert not n.live and store.metrics.splits == 1
         seen_ids = {n.id} | set(store.tree.nodes)
 
-        chunks, served = store.finish_kv_chunks(pending)
+        chunks, served = store.wait(pending)
         # The old file is still there for A (it holds N): the bytes are P's.
         assert chunk_mismatches(entry, node_bits(p, n), chunks, ids) == 0, "old file misread"
         assert served["disk_chunks"] == 8

@@ -265,13 +265,13 @@ def test_prefetching_the_last_selection_changes_reads_not_results(tiny_runtimes,
             engine.serve(Request(prefix, query, 1))    # computes and stores the prefix
             engine.serve(Request(prefix, query, 1))    # the first selection: no guess yet
             late = []           # K/V disk reads submitted after the policy chose
-            real = store.start_kv_chunks
+            real = store.submit
 
-            def start_kv_chunks(*a, **k):
+            def submit(*a, **k):
                 load = real(*a, **k)
                 late.append(load.read is not None)
                 return load
-            store.start_kv_chunks = start_kv_chunks
+            store.submit = submit
             second = engine.serve(Request(prefix, query, 4))
             runs[prefetch] = (second, late)
         finally:

@@ -51,7 +51,7 @@ def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
         cache = store.cache
         keys = sorted(cache.resident_keys("cpu"))
         assert keys
-        cache._cpu.chunks[keys[0]].tensor.view(torch.uint8).view(-1)[5] ^= 0x40
+        cache.tiers[cache.tier_names.index("cpu")].chunks[keys[0]].tensor.view(torch.uint8).view(-1)[5] ^= 0x40
         again = engine.serve(Request(prefix, query, 3))
         assert cache.metrics["corrupt_copies"] == 1
         assert again.tokens == clean.tokens

@@ -469,9 +469,9 @@ def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
             byte = f.read(1)
             f.seek(v_off + 10)
             f.write(bytes([byte[0] ^ 0xFF]))
-        pending = store.start_kv_chunks(entry, {"k": [0], "v": [7]}, node)
+        pending = store.submit(entry, {"k": [0], "v": [7]}, node)
         with pytest.raises(CorruptNode, match="V chunk 7"):
-            store.finish_kv_chunks(pending)
+            store.wait(pending)
 
 
 def test_last_selection_survives_a_reorder_and_stale_entries_leave_it_alone(tmp_path):
@@ -523,9 +523,9 @@ def test_prefetched_chunks_serve_a_load_as_a_disk_read_would(tmp_path):
                 assert read.ids_of["k"].tolist() == [3, 4]     # tier-resident ones skipped
                 early, nbytes = store.finish_prefetch(read)
                 assert nbytes > 0
-            load = store.start_kv_chunks(entry, {"k": [2, 3, 5], "v": [4, 6]}, node,
+            load = store.submit(entry, {"k": [2, 3, 5], "v": [4, 6]}, node,
                                          ahead=early)
-            got, served = store.finish_kv_chunks(load)
+            got, served = store.wait(load)
             for kind, ids in (("k", [2, 3, 5]), ("v", [4, 6])):
                 want = kv[0][0 if kind == "k" else 1]
                 for i, t in zip(ids, got[kind]):

@@ -125,10 +125,10 @@ def test_late_read_after_split_then_new_prefix_serves_its_own_kv(tmp_path):
         match = store.match_prefix(a)
         node = match.nodes[0]
         entry = store.entry(node, 0)
-        load = store.start_kv_chunks(entry, {"k": [0, 1, 2, 3], "v": [0, 1, 2, 3]}, node)
+        load = store.submit(entry, {"k": [0, 1, 2, 3], "v": [0, 1, 2, 3]}, node)
         b = np.concatenate([a[:C], tokens_of(4, 3 * C)])
         store.insert(b, C, make_kv(b, C))               # splits node while A reads it
-        store.finish_kv_chunks(load)                    # A's late admits
+        store.wait(load)                    # A's late admits
         store.release(match)
         while store.evict_leaf() is not None:
             pass

@@ -45,7 +45,7 @@ def check_accounting(cache: ChunkCache) -> None:
     m = cache.metrics
     gpu, cpu = cache.resident_keys("gpu"), cache.resident_keys("cpu")
     for name, keys in (("gpu", gpu), ("cpu", cpu)):
-        tier = cache._gpu if name == "gpu" else cache._cpu
+        tier = cache.tiers[cache.tier_names.index(name)]
         assert m[name]["used_bytes"] == sum(tier.chunks[k].nbytes for k in keys)
         assert m[name]["used_bytes"] <= m[name]["capacity_bytes"]
     if cache.config.exclusive:

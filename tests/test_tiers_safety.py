@@ -8,8 +8,8 @@ import zlib
 import pytest
 import torch
 
-from impress_flexgen import tiers
 from impress_flexgen.tiers import ChunkCache, TierConfig, payload_crc
+from impress_flexgen.tiers import base as tier_base
 
 CHUNK_ELEMS = 256                 # fp16 elements per test chunk
 CHUNK_BYTES = CHUNK_ELEMS * 2
@@ -36,15 +36,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def flip(cache: ChunkCache, tier: str, k: tuple) -> None:
-    res = {"gpu": cache._gpu, "cpu": cache._cpu}[tier].chunks[k]
+    res = cache.tiers[cache.tier_names.index(tier)].chunks[k]
     res.tensor.view(torch.uint8)[0] ^= 1
 
 
 @pytest.fixture(params=["libdeflate", "zlib"])
 def crc_impl(request, monkeypatch):
     if request.param == "zlib":
-        monkeypatch.setattr(tiers, "_crc32_at", None)
-    elif tiers._crc32_at is None:
+        monkeypatch.setattr(tier_base, "_crc32_at", None)
+    elif tier_base._crc32_at is None:
         pytest.skip("libdeflate not available")
     return request.param
 

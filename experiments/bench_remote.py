@@ -1,0 +1,307 @@
+"""Time to first token of a reused prefix from each tier: recompute, local disk, Redis only.
+
+    python -m experiments.bench_remote [--quick] [--json PATH]
+
+One natural-text prefix per length (default ~1k and ~4k tokens; --quick: 1k), several
+64-token queries on it, each served every way in one run, the ways interleaved query by
+query (so a shared machine's drift falls on all alike):
+
+  recompute     no store: prefix and query computed from scratch;
+  local disk    the prefix in the local disk store, policy full (every stored chunk loaded),
+                cold reads (the store reads with O_DIRECT; `direct_io` in the output says
+                whether the file system allowed it), no GPU or CPU tier. This engine also
+                has the pool: serving the prefix first stored it and wrote it through;
+  redis only    the prefix ONLY in that shared Redis pool (a redis-server this benchmark
+                starts on a free loopback port): each query is served by a fresh engine
+                whose local store is empty, so every chunk comes from the pool;
+  impress disk  (--no-impress leaves it out) the store's own policy from the local disk:
+                whole chunks chosen by the probe on an importance-reordered layout.
+
+For each: median TTFT and its ratio to recompute's (also paired by query in the JSON),
+bytes moved per tier per request (RequestStats.bytes_read), and whether the first token
+equals recompute's. The Redis row also reports whether its first token and logits equal the
+local disk row's: both attend to the same float16 KV bytes, so they agree exactly. (Two
+separate prefills of one prefix need not: CPU kernels may differ in the last bit.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+import torch
+
+from impress_flexgen import scratch
+from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.errors import UserError
+from impress_flexgen.runtime import Runtime, RuntimeConfig
+from impress_flexgen.serving import RunConfig, prepared
+from impress_flexgen.store.shared import chunk_hashes
+from impress_flexgen.workload import WorkloadConfig, build_workload
+from policies import ServingConfig, make_policy
+
+RECOMPUTE, DISK, REDIS, IMPRESS = "recompute", "local disk", "redis only", "impress disk"
+TIER_NAMES = ("gpu", "cpu", "disk", "remote")
+
+
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m experiments.bench_remote",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quick", action="store_true", help="one 1024-token prefix, 2 queries")
+    p.add_argument("--prefix-tokens", help="comma-separated prefix lengths (default 1024,4096; "
+                   "quick: 1024)")
+    p.add_argument("--queries", type=int, help="measured queries per prefix (default 3, "
+                   "quick: 2)")
+    p.add_argument("--query-tokens", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=16)
+    p.add_argument("--retention", type=float, default=0.25, help="impress row's retention")
+    p.add_argument("--no-impress", action="store_true", help="leave the impress row out")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (every row alike)")
+    p.add_argument("--store-root", help="where stores go (default: the temp dir)")
+    p.add_argument("--offload-dir", help="FlexGen's offload dir (default: the cache's)")
+    p.add_argument("--redis-server", help="redis-server binary (default: found on PATH)")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    text = args.prefix_tokens or ("1024" if args.quick else "1024,4096")
+    try:
+        args.prefix_tokens = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        p.error("--prefix-tokens: comma-separated whole numbers")
+    if args.queries is None:
+        args.queries = 2 if args.quick else 3
+    if not args.prefix_tokens or any(n < args.chunk_size for n in args.prefix_tokens):
+        p.error(f"--prefix-tokens: each length must be at least one chunk ({args.chunk_size})")
+    if min(args.queries, args.query_tokens, args.threads) < 1:
+        p.error("--queries, --query-tokens and --threads must be positive")
+    if not 0 < args.retention <= 1:
+        p.error("--retention must be in (0, 1]")
+    return args
+
+
+@contextlib.contextmanager
+def redis_server(binary: str | None):
+    """A private redis-server on a free loopback port (no persistence), stopped after."""
+    from tests.redis_server import MISSING, RedisServer, find_redis_server
+
+    binary = binary or find_redis_server()
+    if binary is None or not os.access(binary, os.X_OK):
+        raise UserError(MISSING if binary is None else f"{binary} is not an executable")
+    server = RedisServer(binary)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        server.close()
+        raise UserError(f"cannot start redis-server: {exc}") from None
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class Ways:
+    """The engines of one prefix, each able to serve a query and say what it did."""
+
+    def __init__(self, rt: Runtime, wl, args, url: str, root: Path, stack: contextlib.ExitStack):
+        self.rt, self.wl, self.args, self.url, self.root = rt, wl, args, url, root
+        self.prefix = wl.prefixes[0]
+        cs = args.chunk_size
+        recomp = make_policy("recomp", ServingConfig(retention=1.0))
+        self.recompute = Engine(rt, None, recomp, TierSizes())
+        for _, query in wl.warmup:       # as prepared() warms the others: no cold first call
+            self.recompute.serve(Request(self.prefix, query, 1))
+        self.full_run = RunConfig(DISK, "full", 1.0, chunk_size=cs)
+        # The local disk engine is also the writer: serving the prefix first stored it and
+        # wrote it through to the pool, so the pool holds the very bytes its disk holds.
+        # With the whole prefix matched locally it never asks the pool afterwards.
+        self.disk = stack.enter_context(prepared(rt, wl, self.full_run,
+                                                 TierSizes(remote_url=url), store_root=root))
+        stack.callback(self.disk.engine.close)
+        pool = self.disk.engine.shared
+        if not pool.tier.flush(30):
+            raise UserError("the Redis pool did not take the prefix within 30 s")
+        want = len(self.prefix) // cs
+        held = pool.tier.batch_exists_chunks(chunk_hashes(pool.namespace, self.prefix))
+        if held != want:
+            raise UserError(f"the Redis pool holds {held} of the prefix's {want} chunks "
+                            f"(writer: {pool.tier.metrics()})")
+        self.writer_metrics = pool.tier.metrics()
+        self.direct_io = self.disk.store.reader.direct
+        self.impress = None
+        if not args.no_impress:
+            self.impress = stack.enter_context(prepared(
+                rt, wl, RunConfig(IMPRESS, "impress:all", args.retention, granularity="chunk",
+                                  threshold="none", probe_heads="auto", probe_format="int4",
+                                  chunk_size=cs), TierSizes(), store_root=root))
+
+    def names(self) -> list[str]:
+        return [RECOMPUTE, DISK, REDIS] + ([IMPRESS] if self.impress else [])
+
+    def serve(self, name: str, query: list[int]):
+        req = Request(self.prefix, query, 1)
+        if name == RECOMPUTE:
+            return self.recompute.serve(req)
+        if name == DISK:
+            return self.disk.engine.serve(req)
+        if name == IMPRESS:
+            return self.impress.engine.serve(req)
+        return self._from_pool_only(req)
+
+    def _from_pool_only(self, req: Request):
+        """A fresh engine over an empty local store and the pool: every chunk from Redis."""
+        with scratch.directory(self.root, "reader") as work:
+            cfg = self.full_run.serving()
+            policy = make_policy("full", cfg)
+            store = open_store(Path(work) / "store", self.rt, cfg, policy,
+                               **self.full_run.store_options())
+            engine = Engine(self.rt, store, policy, TierSizes(remote_url=self.url))
+            try:
+                resp = engine.serve(req)
+            finally:
+                engine.close()
+                store.close()
+        if resp.stats.matched_tokens or not resp.stats.shared_tokens:
+            raise RuntimeError(f"the redis-only engine matched {resp.stats.matched_tokens} "
+                               f"tokens locally and {resp.stats.shared_tokens} from the pool")
+        return resp
+
+
+def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path) -> list[dict]:
+    wl = build_workload(rt.tokenizer, WorkloadConfig(
+        n_prefixes=1, prefix_tokens=n_tokens, queries_per_prefix=args.queries,
+        query_tokens=args.query_tokens))
+    queries = [q for _, q in wl.queries]
+    # Longer prefixes start with the shorter ones' tokens: each length starts with an
+    # empty pool, so its writer computes and writes every chunk itself.
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    seen: dict[str, list] = {}
+    with contextlib.ExitStack() as stack:
+        ways = Ways(rt, wl, args, url, root, stack)
+        names = ways.names()
+        for qi, query in enumerate(queries):
+            # Rotate the order per query: no way always runs first (cold) or last.
+            for name in names[qi % len(names):] + names[:qi % len(names)]:
+                seen.setdefault(name, [None] * len(queries))[qi] = ways.serve(name, query)
+        extra = {"direct_io": ways.direct_io, "writer_pool_metrics": ways.writer_metrics}
+    return summarize(len(wl.prefixes[0]), seen, extra)
+
+
+def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
+    base = seen[RECOMPUTE]
+    base_ttft = [r.stats.ttft_s for r in base]
+    rows = []
+    for name, resps in seen.items():
+        ttft = [r.stats.ttft_s for r in resps]
+        moved = {t: statistics.fmean(r.stats.bytes_read.get(t, 0) for r in resps)
+                 for t in TIER_NAMES}
+        row = {
+            "prefix_tokens": n_tokens, "way": name, "queries": len(resps),
+            "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
+            "ttft_s": ttft,
+            "ttft_vs_recompute": statistics.median(ttft) / statistics.median(base_ttft),
+            # Paired by query: the median of each query's TTFT over recompute's on it.
+            "ttft_vs_recompute_paired": statistics.median(t / b for t, b in zip(ttft, base_ttft)),
+            "bytes_read_per_request": moved,
+            "matched_tokens": statistics.fmean(r.stats.matched_tokens for r in resps),
+            "shared_tokens": statistics.fmean(r.stats.shared_tokens for r in resps),
+            "computed_tokens": statistics.fmean(r.stats.computed_tokens for r in resps),
+            "ttft_breakdown_s": {k: statistics.fmean(getattr(r.stats, k) for r in resps)
+                                 for k in ("match_s", "weights_s", "probe_s", "select_s",
+                                           "load_s", "compute_s")},
+            "first_tokens": [r.tokens[0] for r in resps],
+            "first_token_equals_recompute": all(r.tokens[0] == b.tokens[0]
+                                                for r, b in zip(resps, base)),
+            "max_logit_diff_vs_recompute": max(
+                float((r.step_logits[0] - b.step_logits[0]).abs().max())
+                for r, b in zip(resps, base)),
+        }
+        if name == REDIS and DISK in seen:
+            disk = seen[DISK]
+            row["first_token_equals_local_disk"] = all(r.tokens[0] == d.tokens[0]
+                                                       for r, d in zip(resps, disk))
+            row["max_logit_diff_vs_local_disk"] = max(
+                float((r.step_logits[0] - d.step_logits[0]).abs().max())
+                for r, d in zip(resps, disk))
+        if name in (DISK, IMPRESS):
+            row["direct_io"] = extra["direct_io"]
+        if name == REDIS:
+            row["writer_pool_metrics"] = extra["writer_pool_metrics"]
+        rows.append(row)
+    return rows
+
+
+def environment(args, rt: Runtime, server, root: Path) -> dict:
+    try:
+        version = subprocess.run([server.binary, "--version"], capture_output=True, text=True,
+                                 timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        version = None
+    return {
+        "model": args.model, "device": str(rt.model.layers[0].compute.dev),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+        "redis_server": version, "store_root": str(root), "store_fs": _fs_type(root),
+        "chunk_size": args.chunk_size, "query_tokens": args.query_tokens,
+        "queries": args.queries, "retention_impress": args.retention,
+    }
+
+
+def _fs_type(path: Path) -> str | None:
+    """The file system type holding `path` (from /proc/mounts; None elsewhere)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if len(m) > 2 and (real + "/").startswith(
+        m[1].rstrip("/") + "/")), key=lambda m: len(m[1]), default=None)
+    return best[2] if best else None
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'prefix':>7} {'way':<13}{'TTFT med s':>11}{'/recomp':>9}{'disk MB':>9}"
+          f"{'remote MB':>10}{'pool tok':>9}  first token = recompute")
+    for r in rows:
+        mb = r["bytes_read_per_request"]
+        same = "yes" if r["first_token_equals_recompute"] else "NO"
+        if "first_token_equals_local_disk" in r:
+            same += f" (= local disk: {'yes' if r['first_token_equals_local_disk'] else 'NO'}," \
+                    f" logits diff {r['max_logit_diff_vs_local_disk']:.1e})"
+        print(f"{r['prefix_tokens']:>7} {r['way']:<13}{r['ttft_median_s']:>11.3f}"
+              f"{r['ttft_vs_recompute']:>9.3f}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
+              f"{r['shared_tokens']:>9.0f}  {same}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    try:
+        with redis_server(args.redis_server) as server, \
+                Runtime(RuntimeConfig(model=args.model, offload_dir=args.offload_dir)) as rt:
+            for n in args.prefix_tokens:
+                rows += measure_prefix(rt, n, args, server.url, root)
+            env = environment(args, rt, server, root)
+    finally:
+        torch.set_num_threads(threads)
+    env["wall_s"] = time.perf_counter() - t0
+    print_table(rows)
+    write_json(args.json, {"environment": env, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("python -m experiments.bench_remote", main))

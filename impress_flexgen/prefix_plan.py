@@ -1,0 +1,235 @@
+"""The engine's planner: what each plan would cost on this machine, and the choice.
+
+    planner = PrefixPlanner(engine)
+    planner.cost()                                   # calibrate once (cached per machine)
+    plan = planner.choose("auto", segments, matched, n_new)
+    ...serve...
+    planner.observe(stats, disk_bytes, disk_busy_s, loaded_chunks)   # learned online
+
+The compute side is a prefill curve measured on this machine and model (cached in
+~/.cache/impress_flexgen, or $IMPRESS_FLEXGEN_CACHE), scaled by how much slower the
+machine is now than when calibrated (measured over predicted prefill seconds, from every
+request whatever its plan: other work slows every plan alike). The I/O side is, per chunk, its
+tier's bandwidth (the disk's learned from the reads requests do, never above a configured
+read limit) for the chunks the policy is expected to load: every chunk for a policy that
+loads everything, else the chunks its last query selected on that (node, layer), else a
+learned share of them all. A chunk is left to load by a split m when it holds a token at
+or past m chunks: a reordered node's hot chunks mix tokens from all over the prefix, so
+recomputing its front spares few reads. The policy's scoring is learned as seconds per
+(new token x stored token). What the model still misses (joining the loaded pieces, the
+policy's bookkeeping) is learned as one correction per plan, the ratio of measured to
+predicted time to first token, applied to the prediction reported (not to the choice:
+see choose()). Every learned figure is a median of the last few requests.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from policies import Segment
+
+from .costs import DEFAULT_POINTS, Bandwidth, CostModel, calibrate, machine_key
+from .planner import Plan, PrefixCosts, choose_plan, split_compute
+from .tiers.chain import DISK, REMOTE
+
+# Until a read says otherwise (bytes/s): memory tiers are fast, the disk a modest SSD.
+_DEFAULT_BANDWIDTH = {"gpu": 50e9, "cpu": 10e9, DISK: 1e9, REMOTE: 1e9}
+_MODES = ("load", "recompute", "both")
+_MIN_COMPUTE_S = 0.02   # shorter prefills say more about timer noise than machine speed
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("IMPRESS_FLEXGEN_CACHE") or Path.home() / ".cache" /
+                "impress_flexgen")
+
+
+class _Learned:
+    """The median of the last WINDOW observations, the prior counted `prior_weight` times
+    until observations push it out: one slow request (a cold cache, other work on the
+    machine) cannot swing a plan's estimate, while a lasting change wins in a few."""
+
+    WINDOW = 5
+
+    def __init__(self, prior: float, prior_weight: int = 0):
+        self.prior = prior
+        self.count = 0
+        self._seen: deque[float] = deque([prior] * prior_weight, maxlen=self.WINDOW)
+
+    @property
+    def value(self) -> float:
+        return float(np.median(self._seen)) if self._seen else self.prior
+
+    def observe(self, x: float) -> None:
+        self.count += 1
+        self._seen.append(float(x))
+
+
+class PrefixPlanner:
+    def __init__(self, engine, points=DEFAULT_POINTS):
+        self.engine = engine
+        self.points = [(n, ctx) for n, ctx in points if n + ctx <= engine.max_positions]
+        defaults = {name: _DEFAULT_BANDWIDTH.get(name, 1e9) for name in engine.tier_names}
+        self.bandwidth = Bandwidth(defaults)
+        policy = engine.policy
+        # Share of a node's chunks loaded where no last selection is known.
+        self.load_fraction = _Learned(1.0 if policy.loads_everything else
+                                      min(1.0, 1.5 * engine.config.retention))
+        self.select_rate = _Learned(0.0)   # seconds per (new token x stored token)
+        self.correction = {m: _Learned(1.0, prior_weight=2) for m in _MODES}
+        # The machine now against the machine calibrated: measured over predicted prefill
+        # seconds, whatever the plan (other work on the machine slows every plan alike).
+        self.speed = _Learned(1.0, prior_weight=2)
+        self._chosen = None
+        self._cost: CostModel | None = None
+        self._lock = threading.Lock()
+
+    # -- the cost model -----------------------------------------------------------------
+    def cost(self) -> CostModel:
+        """The cost model, calibrated on first use (a few short prefills, or the cache)."""
+        with self._lock:
+            if self._cost is None:
+                e = self.engine
+                key = machine_key(e.rt.spec.name, e.device, e.dtype)
+                name = hashlib.sha256(key.encode()).hexdigest()[:16]
+                curve = calibrate(e.measure_prefill, self.points,
+                                  cache_dir() / "costs" / f"{name}.json", key=key)
+                self._cost = CostModel(curve, self.bandwidth, e.math.n_layers)
+            return self._cost
+
+    def disk_bandwidth(self) -> float:
+        """The disk's learned bandwidth, never above the store's read limit (a known
+        ceiling: reads that pass on saved-up credit would otherwise seem faster)."""
+        bw = self.bandwidth.get(DISK)
+        limit = self.engine.store.reader.limit
+        return min(bw, limit.rate) if limit is not None else bw
+
+    # -- the choice ---------------------------------------------------------------------
+    def choose(self, mode: str, segments_nodes, matched: int, n_new: int) -> Plan:
+        """The plan for `mode` (auto: the cheapest predicted); observe() learns from it.
+
+        The choice is made on the model with what every plan shares (machine speed,
+        bandwidth, scoring rate); each plan's own correction only sharpens the prediction
+        reported. A plan's correction is learned only while it is chosen, and a plan
+        tends to be chosen when its prediction happens to be low: letting corrections
+        steer the choice would favour whichever plan has been measured least."""
+        cost = self.cost()
+        now = CostModel(cost.prefill.scaled(self.speed.value), cost.bandwidth, cost.n_layers)
+        prefix = self.prefix_costs(segments_nodes, matched, n_new)
+        plan = choose_plan(mode, now, prefix)
+        # What observe() compares the request with: this plan's prefill (on the curve as
+        # calibrated) and its prediction before the plan's correction. One engine serves
+        # one request at a time, so the next observe() is this request's.
+        self._chosen = (plan.mode, plan.split_chunks,
+                        split_compute(cost, prefix, plan.split_chunks), plan.predicted_s)
+        f = {m: c.value for m, c in self.correction.items()}
+        return Plan(plan.mode, plan.split_chunks, plan.predicted_s * f[plan.mode],
+                    {k: v * f[k] for k, v in plan.predicted.items()})
+
+    def prefix_costs(self, segments_nodes, matched: int, n_new: int) -> PrefixCosts:
+        """What loading each part of the matched prefix would cost (planner.PrefixCosts)."""
+        store, policy = self.engine.store, self.engine.policy
+        T, L = store.config.chunk_size, self.engine.math.n_layers
+        n = matched // T
+        # add_*[k]: what chunks whose last token lies in logical chunk k cost; a split m
+        # still loads them while m <= k, so io_after is a suffix sum of add_io.
+        add_io, add_kept = np.zeros(n + 1), np.zeros(n + 1)
+        probe_bytes = 0
+        disk_bw = self.disk_bandwidth()
+        cache = store.cache
+        tiered = cache is not None and any(t.capacity > 0 for t in cache.tiers)
+        for node, used in segments_nodes:
+            for layer in range(L):
+                entry = store.entry(node, layer)
+                seg = Segment(node, used, entry)
+                if policy.reads_probe and policy.probes_layer(layer):
+                    probe_bytes += entry.layout.probe_stride
+                chunk_of = seg.logical_to_chunk()
+                # Each held chunk's last logical token: its first in reverse order.
+                held, from_end = np.unique(chunk_of[::-1], return_index=True)
+                last = np.full(entry.layout.n_chunks, -1, dtype=np.int64)
+                last[held] = seg.start + used - 1 - from_end
+                tokens = np.bincount(chunk_of, minlength=entry.layout.n_chunks)
+                share = 1.0
+                if policy.loads_everything:
+                    ids = held
+                else:
+                    ids = np.intersect1d(store.last_selected_chunks(entry), held)
+                    if len(ids) == 0:      # nothing recorded yet: a share of every chunk
+                        ids, share = held, self.load_fraction.value
+                per_chunk = 2 * entry.layout.chunk_bytes
+                if tiered:
+                    seconds = np.array([per_chunk / self._bandwidth_of(
+                        cache.resident((entry.node_id, entry.layer, entry.version, "k",
+                                        int(i))), disk_bw) for i in ids])
+                else:
+                    seconds = np.full(len(ids), per_chunk / disk_bw)
+                k = np.minimum(last[ids] // T, n - 1)
+                np.add.at(add_io, k, seconds * share)
+                np.add.at(add_kept, k, tokens[ids] * share / L)
+        io_after = np.cumsum(add_io[::-1])[::-1]
+        kept_after = np.cumsum(add_kept[::-1])[::-1]
+        io_after[n] = kept_after[n] = 0.0
+        probe_s = probe_bytes / disk_bw
+        select_s = self.select_rate.value * n_new * matched if not policy.loads_everything \
+            else 0.0
+        return PrefixCosts(n, T, n_new, tuple(io_after.tolist()), tuple(kept_after.tolist()),
+                           probe_s, select_s)
+
+    def _bandwidth_of(self, tier: str | None, disk_bw: float) -> float:
+        return disk_bw if tier is None or tier == DISK else self.bandwidth.get(tier)
+
+    # -- learning -----------------------------------------------------------------------
+    def observe(self, stats, disk_bytes: int, disk_busy_s: float, loaded_chunks: int) -> None:
+        """After a request: the disk's delivered bandwidth, the share of the prefix's
+        chunks the policy loaded, its scoring time, and how far off the prediction was.
+        loaded_chunks: the K and V chunks the plan left to load (0: it recomputed all)."""
+        self.bandwidth.observe(DISK, disk_bytes, disk_busy_s)
+        T = self.engine.store.config.chunk_size
+        if loaded_chunks and stats.plan in ("load", "both"):
+            self.load_fraction.observe(min(1.0, stats.chunks_loaded / loaded_chunks))
+            n_new = stats.computed_tokens - stats.plan_split * T
+            scored = n_new * stats.matched_tokens
+            if scored > 0 and stats.select_s >= 0:
+                self.select_rate.observe(stats.select_s / scored)
+        chosen, self._chosen = self._chosen, None
+        if chosen is None or chosen[:2] != (stats.plan, stats.plan_split):
+            return       # not the plan this planner chose (a retry, another caller)
+        _, _, compute, raw = chosen
+        if compute > _MIN_COMPUTE_S and stats.compute_s > 0:
+            self.speed.observe(float(np.clip(stats.compute_s / compute, 0.25, 4.0)))
+        if raw > 0 and stats.ttft_s > 0:
+            self.correction[stats.plan].observe(float(np.clip(stats.ttft_s / raw, 0.5, 2.0)))
+
+    def snapshot(self) -> dict:
+        """What the planner has learned so far (for reports)."""
+        return {"disk_bandwidth_bytes_s": self.disk_bandwidth(),
+                "load_fraction": self.load_fraction.value,
+                "select_s_per_token_pair": self.select_rate.value,
+                "speed": self.speed.value,
+                "correction": {m: c.value for m, c in self.correction.items()},
+                "observed": {m: c.count for m, c in self.correction.items()}}
+
+
+class ContextKV:
+    """KV of `n_tokens` earlier tokens (zeros) standing in for a loaded prefix while the
+    prefill curve is measured: the compute sees a context of that length, no I/O happens."""
+
+    def __init__(self, n_tokens: int, n_kv_heads: int, head_dim: int):
+        self.n_tokens = n_tokens
+        self.shape = (n_kv_heads, n_tokens, head_dim)
+
+    def start(self, layer: int) -> None:
+        pass
+
+    def kv(self, layer: int, device, dtype):
+        z = torch.zeros(self.shape, dtype=torch.float16).to(device, dtype)
+        return z, z
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,93 @@
+"""What a store is made for and how it behaves: its model shape, its settings, its errors."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UserError
+from ..radix import RadixNode
+
+STORE_FORMAT = "impress_flexgen-prefix-store"
+
+
+class CorruptNode(Exception):
+    """A chunk or probe section failed its CRC, or reading its file failed in any way
+    (short, missing, not a regular file, a symbolic link, an I/O error)."""
+
+    def __init__(self, node: RadixNode, detail: str):
+        super().__init__(f"node {node.id}: {detail}")
+        self.node = node
+
+
+class StoreWriteFailed(Exception):
+    """New KV could not be committed (the request is still served; its prefix is not
+    stored)."""
+
+
+class StoreFull(StoreWriteFailed):
+    """No room for new KV even after evicting every unlocked leaf, or the disk or the
+    metadata database is full."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a store's KV belongs to; a store refuses KV of another shape."""
+
+    name: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+# Tokens per stored chunk, everywhere a chunk size is not given (run, serve, request files,
+# the library): small chunks let whole-chunk selection follow importance closely.
+CHUNK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    chunk_size: int = CHUNK_SIZE
+    probe_heads: tuple[int, ...] = (0,)     # KV heads whose keys are copied for probing
+    probe_format: str = "int4"             # "fp16" (the paper) or "int4"
+    disk_capacity_bytes: int | None = None
+    eviction: str = "score"                # "score" (hits) or "lru"
+    reorder_interval: int = 50             # queries between background reorders; 0: never
+    reorder_keep_ends: bool = True         # keep the sink chunk and the last chunk in place
+    # Share of a node's tokens (the most important) packed into the leading chunks; the
+    # rest keep their positional order. 1.0 sorts every token by importance: tokens no past
+    # query attended to are then scattered by noise, and a later query needing a phrase
+    # nobody asked for before (a passkey) finds it spread over many chunks.
+    reorder_hot_fraction: float = 0.25
+    # What a reorder groups into chunks: "importance" (accumulated by queries, above) or
+    # "semantic": tokens with similar keys share a chunk (balanced k-means over the layer's
+    # keys, chunk-sized clusters), a query-agnostic layout done once per node, so that a
+    # query's relevant tokens sit in few chunks (IceCache's semantic pages, on disk).
+    reorder_by: str = "importance"
+    direct_io: bool = True
+    read_threads: int = 4
+    # Disk read bandwidth cap in MB/s (a token bucket in the reader; None: none): lets a
+    # CPU machine reproduce a GPU machine's ratio of compute to I/O.
+    read_limit_mb_s: float | None = None
+    packed: bool | None = None             # chunk layout (disk_layout.format); None: by size
+    # Files of quarantined nodes are kept for inspection up to this many bytes (oldest go
+    # first): a disk that keeps failing must not fill up with evidence.
+    quarantine_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        if not 16 <= self.chunk_size <= 256 or self.chunk_size % 8:
+            raise UserError("chunk size must be a multiple of 8 between 16 and 256")
+        if self.probe_format not in ("fp16", "int4"):
+            raise UserError("probe format must be fp16 or int4")
+        if self.eviction not in ("score", "lru"):
+            raise UserError("disk eviction must be score or lru")
+        if not 0 < self.reorder_hot_fraction <= 1:
+            raise UserError("reorder hot fraction must be in (0, 1]")
+        if self.reorder_by not in ("importance", "semantic"):
+            raise UserError("reorder_by must be importance or semantic")
+        if self.reorder_interval < 0:
+            raise UserError("reorder interval must be 0 (never) or a positive query count")
+        if self.disk_capacity_bytes is not None and self.disk_capacity_bytes < 0:
+            raise UserError("disk capacity must not be negative")
+        if self.read_limit_mb_s is not None and not self.read_limit_mb_s > 0:
+            raise UserError("disk read limit must be a positive number of MB/s")
+        if self.quarantine_bytes < 0:
+            raise UserError("quarantine bytes must not be negative")

@@ -1,0 +1,234 @@
+"""Inserting newly computed prefix KV: files written and fsynced outside the store lock,
+then one metadata transaction (with the split of a partly matched node) makes them visible."""
+from __future__ import annotations
+
+import errno
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disk_layout.format import (LayerFileLayout, chunk_payload, crc32, encode_probe,
+                                probe_supported)
+from disk_layout.io import write_durable
+from disk_layout.metadata import LayerRow, MetadataError, MetadataFull
+
+from ..radix import PrefixMatch, RadixNode
+from .config import StoreFull, StoreWriteFailed
+from .entries import LayerEntry, LayerStats
+
+
+class _Inserts:
+    """Durable inserts and splits (part of PrefixStore)."""
+
+    def _meta_write(self, write, what: str):
+        """Run a metadata write; a full or failing database becomes StoreFull /
+        StoreWriteFailed (the request goes on without storing)."""
+        try:
+            return write()
+        except MetadataFull as exc:
+            raise StoreFull(f"metadata database full while {what}: {exc}") from None
+        except MetadataError as exc:
+            raise StoreWriteFailed(f"metadata write failed while {what}: {exc}") from None
+
+    def insert(self, tokens, start: int, kv) -> list[RadixNode]:
+        """Store the KV of tokens[start:end] (end = last whole chunk of `tokens`).
+
+        `kv[layer]` is (K, V), each (kv_heads, n, head_dim) for positions start..start+n,
+        n >= end - start. `start` must be chunk-aligned and lie within the stored prefix of
+        `tokens` (normally match.length). Returns the nodes now covering tokens[:end].
+
+        Files are written and fsynced with the path pinned but without the store lock, so
+        other requests go on meanwhile; the commit then checks that the tree still looks as
+        it did (another insert, a split or a reorder may have changed it) and otherwise
+        starts again from the new tree.
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        c = self.config.chunk_size
+        end = len(tokens) // c * c
+        if start % c:
+            raise ValueError("insert start must be chunk-aligned")
+        for _ in range(8):
+            with self.lock:
+                match = self.tree.match_prefix(tokens[:end])
+                have = match.length
+                if have < start:
+                    # Only a quarantine removes a pinned prefix: nothing to attach to now.
+                    raise StoreWriteFailed(f"insert at {start} but only {have} tokens are "
+                                           "stored (removed meanwhile)")
+                if have >= end:
+                    return match.nodes
+                # Pinned: nothing evicts the nodes we read and attach under, or deletes
+                # their files.
+                self.tree.lock(match)
+                last, used = match.segments[-1] if match.segments else (None, 0)
+                split_at = used if last is not None and used < last.n_tokens else None
+                # The layers to split: a reorder may replace them meanwhile, which changes
+                # only their physical order, so the halves (written in logical order) hold.
+                seen = list(last.layers) if split_at is not None else None
+            try:
+                node = self._insert_pinned(tokens[:end], start, kv, match, have, split_at, seen)
+            finally:
+                with self.lock:
+                    for freed in self.tree.unlock(match):
+                        self._delete_retired(freed)
+            if node is not None:
+                with self.lock:
+                    return self.tree.path_to(node)
+        raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
+
+    def _insert_pinned(self, tokens, start, kv, match: PrefixMatch, have: int,
+                       split_at: int | None, seen) -> RadixNode | None:
+        """Write the files of an insert (and of the split it needs), then commit them if the
+        tree is unchanged; None: it changed, nothing was kept."""
+        last = match.segments[-1][0] if match.segments else None
+        new_tokens = tokens[have:]
+        offset = have - start
+        layers = [(k[:, offset:offset + len(new_tokens)], v[:, offset:offset + len(new_tokens)])
+                  for k, v in kv]
+        layout = self._layout(len(new_tokens))
+        need = self.shape.n_layers * layout.file_bytes
+        if split_at is not None:
+            need += self.shape.n_layers * (self._layout(split_at).file_bytes +
+                                          self._layout(last.n_tokens - split_at).file_bytes)
+        self._make_room(need)       # reserves `need`; given back below
+        names: list[str] = []
+        try:
+            split = None
+            if split_at is not None:
+                split = self._write_split(last, split_at, seen, names)
+            files = self._write_files(layout, layers, names)
+            with self.lock:
+                if self.tree.match_prefix(tokens).segments != match.segments:
+                    self.metrics.insert_retries += 1
+                    return None
+                node = self._commit_insert(last, split, have, new_tokens, layout, files)
+                names = []            # committed: the files are the store's now
+                self.metrics.inserts += 1
+                return node
+        finally:
+            self._discard(names)
+            with self.lock:
+                self._reserved -= need
+
+    def _write_files(self, layout: LayerFileLayout, layers, names: list[str]) -> list:
+        """Write one file per layer (fsynced); [(name, crcs)]. Names go to `names` as they
+        are made, so the caller can remove them if anything fails."""
+        out = []
+        for k, v in layers:
+            name = f"{uuid.uuid4().hex}.kv"
+            names.append(name)
+            try:
+                crcs = self._write_layer_file(self.data_dir / name, layout, k, v)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise StoreFull(f"disk full while writing {self.data_dir}") from None
+                raise StoreWriteFailed(f"cannot write {self.data_dir}: {exc}") from None
+            out.append((name, crcs))
+        return out
+
+    def _write_split(self, node: RadixNode, at: int, seen, names: list[str]) -> dict:
+        """Rewrite `node` as two nodes split at chunk boundary `at` (files only)."""
+        head, tail = [], []
+        for entry in seen:
+            k, v = self.read_layer(entry, node)
+            head.append((k[:, :at], v[:, :at]))
+            tail.append((k[:, at:], v[:, at:]))
+        head_layout, tail_layout = self._layout(at), self._layout(node.n_tokens - at)
+        return {"node": node, "at": at, "head": (head_layout, self._write_files(head_layout, head, names)),
+                "tail": (tail_layout, self._write_files(tail_layout, tail, names))}
+
+    def _commit_insert(self, last: RadixNode | None, split: dict | None, have: int,
+                       tokens: np.ndarray, layout: LayerFileLayout, files) -> RadixNode:
+        """Under the lock: one transaction makes the split (if any) and the new node visible,
+        then the tree follows."""
+        def commit():
+            with self.meta.transaction():
+                parent_id = last.id if last is not None else None
+                if split is not None:
+                    old = split["node"]
+                    grand = old.parent if old.parent is not self.tree.root else None
+                    head_id = self.meta.add_node(grand.id if grand else None, old.start,
+                                                 old.tokens[:split["at"]])
+                    tail_id = self.meta.add_node(head_id, old.start + split["at"],
+                                                 old.tokens[split["at"]:])
+                    for nid, part in ((head_id, "head"), (tail_id, "tail")):
+                        for layer, (name, crcs) in enumerate(split[part][1]):
+                            self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                    for child in old.children.values():
+                        self.meta.set_parent(child.id, tail_id)
+                    self.meta.delete_node(old.id)
+                    split["ids"] = (head_id, tail_id)
+                    parent_id = head_id
+                nid = self.meta.add_node(parent_id, have, tokens)
+                for layer, (name, crcs) in enumerate(files):
+                    self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                return nid
+
+        nid = self._meta_write(commit, "storing a prefix")
+        parent = last
+        if split is not None:
+            parent = self._apply_split(split)
+        node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time())
+        node.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None, crcs)
+                       for layer, (name, crcs) in enumerate(files)]
+        for layer in range(len(files)):
+            self.stats[(nid, layer)] = LayerStats.fresh(len(tokens), self.config.chunk_size)
+        self.tree.attach(node)
+        return node
+
+    def _apply_split(self, split: dict) -> RadixNode:
+        """The tree side of a committed split: head and tail replace the node; its
+        statistics are divided between them. Returns the head."""
+        node, at = split["node"], split["at"]
+        halves = []
+        for nid, part, sl, start in ((split["ids"][0], "head", slice(0, at), node.start),
+                                     (split["ids"][1], "tail", slice(at, None), node.start + at)):
+            layout, files = split[part]
+            new = RadixNode(nid, None, start, node.tokens[sl].copy(), hits=node.hits,
+                            last_access=node.last_access)
+            new.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None,
+                                     crcs) for layer, (name, crcs) in enumerate(files)]
+            for layer in range(len(files)):
+                s = LayerStats.fresh(new.n_tokens, self.config.chunk_size)
+                s.importance[:] = self.stats[(node.id, layer)].importance[sl]
+                s.dirty = True
+                self.stats[(nid, layer)] = s
+            # Whoever holds the node holds its halves: nothing evicts them meanwhile.
+            new.lock_count = node.lock_count
+            halves.append(new)
+        node.successors = halves
+        self.tree.replace(node, halves)
+        self._retire_node(node)
+        self.metrics.splits += 1
+        return halves[0]
+
+    def _discard(self, names: list[str]) -> None:
+        for name in names:
+            (self.data_dir / name).unlink(missing_ok=True)
+
+    def _write_layer_file(self, path: Path, layout: LayerFileLayout, k_logical: torch.Tensor,
+                          v_logical: torch.Tensor, mapping: np.ndarray | None = None) -> np.ndarray:
+        """Write one (node, layer) file in the physical order given by `mapping`."""
+        k = k_logical.detach().to(torch.float16).cpu()
+        v = v_logical.detach().to(torch.float16).cpu()
+        if mapping is not None:
+            order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
+            k, v = k[:, order], v[:, order]
+        k, v = k.contiguous(), v.contiguous()
+        probe_heads = list(self.config.probe_heads)
+        if self.config.probe_format == "int4" and not probe_supported(
+                len(probe_heads), layout.n_tokens, layout.head_dim):
+            raise ValueError("int4 probe copy needs probe values in groups of 32")
+        probe = encode_probe(k[probe_heads], self.config.probe_format)
+        pieces = [(0, probe)]
+        crcs = [crc32(probe)]
+        for kind, tensor in (("k", k), ("v", v)):
+            for i in range(layout.n_chunks):
+                payload = chunk_payload(tensor, i, layout.chunk_size)
+                pieces.append((layout.chunk_offset(kind, i), payload))
+                crcs.append(crc32(payload))
+        write_durable(str(path), pieces, layout.file_bytes)
+        return np.asarray(crcs, dtype=np.uint32)

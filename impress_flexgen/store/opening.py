@@ -1,0 +1,215 @@
+"""Opening a store: its directory, its lock, its metadata, and recovery from what a crash
+or damage left behind."""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import threading
+
+import numpy as np
+
+from disk_layout.format import LayerFileLayout
+from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata, valid_file_name
+
+from ..errors import UserError
+from ..radix import RadixNode
+from .config import STORE_FORMAT
+from .entries import LayerEntry, LayerStats
+
+log = logging.getLogger("impress_flexgen.store")
+
+
+class _Opening:
+    """Checks, locks and recovers the store directory (part of PrefixStore)."""
+
+    def _open_metadata(self) -> None:
+        self._refuse_lost_metadata()
+        self.meta = Metadata(str(self.dir / "store.sqlite"))
+        self._init_meta()
+        self._recover()
+
+    def _check_directory(self) -> None:
+        if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
+            raise UserError(f"store directory {self.dir} is not a directory")
+        if self.dir.is_dir() and any(self.dir.iterdir()) and \
+                not (self.dir / "store.sqlite").exists():
+            raise UserError(f"{self.dir} is not empty and holds no impress_flexgen store; "
+                            "choose another --store-dir")
+        for path in (self.data_dir, self.quarantine_dir):
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise UserError(f"{path} is not a directory; the store was left as it is")
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # Root ignores permission bits: only a real write proves the directory writable.
+            probe = self.dir / f".write-test-{os.getpid()}-{threading.get_ident()}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise UserError(f"cannot write the store directory {self.dir}: "
+                            f"{exc.strerror or exc}") from None
+
+    def _lock_directory(self) -> int:
+        try:
+            fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open {self.dir / 'store.lock'}: "
+                            f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"store {self.dir} is in use by another process") from None
+        return fd
+
+    def _data_entries(self) -> list[str]:
+        return [e.name for e in os.scandir(self.data_dir)]
+
+    def _refuse_lost_metadata(self) -> None:
+        """A missing or empty database beside data files is damage, not a new store:
+        opening it as new would delete every file recovery finds unreferenced."""
+        db = self.dir / "store.sqlite"
+        if db.is_symlink():
+            raise UserError(f"store {self.dir}: store.sqlite is a symbolic link; refused")
+        if (not db.exists() or db.stat().st_size == 0) and self._data_entries():
+            raise UserError(f"store {self.dir}: store.sqlite is missing or empty but data/ "
+                            "holds files; the store was left as it is (move it away or "
+                            "choose another --store-dir)")
+
+    def _init_meta(self) -> None:
+        want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
+                "model": dataclasses.asdict(self.shape), "chunk_size": self.config.chunk_size,
+                "probe_heads": list(self.config.probe_heads),
+                "probe_format": self.config.probe_format, "packed": self.packed}
+        have = self.meta.get_meta()
+        if self.meta.is_empty():
+            if self._data_entries():
+                raise UserError(f"store {self.dir}: its database holds nothing but data/ "
+                                "holds files; the store was left as it is (move it away or "
+                                "choose another --store-dir)")
+            self._meta_write(lambda: self.meta.set_meta(want), "initialising the store")
+            return
+        if have.get("format") != STORE_FORMAT:
+            raise UserError(f"{self.dir} holds a database that is not an impress_flexgen store")
+        have.setdefault("packed", False)      # stores from before the packed layout
+        for key in ("schema", "model", "chunk_size", "probe_heads", "probe_format", "packed"):
+            if have.get(key) != want[key]:
+                raise UserError(f"store {self.dir} was made with {key}={have.get(key)}, "
+                                f"not {want[key]}; use another --store-dir")
+
+    def _recover(self) -> None:
+        """Load the tree from committed rows that pass their checks; take nodes that fail
+        them (and the prefixes below them) out of the store; delete files no committed row
+        references."""
+        c = self.config.chunk_size
+        rows_of: dict[int, tuple] = {}
+        bad: dict[int, str] = {}
+        children: dict[int | None, list[int]] = {}
+        for row in self.meta.nodes():
+            nid, parent, start, tokens = row.id, row.parent, row.start, row.tokens
+            children.setdefault(parent, []).append(nid)
+            if not row.valid:
+                bad[nid] = row.problem or "row checksum mismatch"
+                continue
+            if len(tokens) == 0 or len(tokens) % c or start < 0 or start % c:
+                bad[nid] = f"{len(tokens)} tokens at {start}: not whole chunks"
+                continue
+            layout = self._layout(len(tokens))
+            layers = self.meta.layers(nid, len(tokens), n_crcs=1 + 2 * layout.n_chunks)
+            problems = [r.problem or "invalid row" for r in layers if not r.valid]
+            if [r.layer for r in layers] != list(range(self.shape.n_layers)):
+                problems.append(f"{len(layers)} layer rows for {self.shape.n_layers} layers")
+            if problems:
+                bad[nid] = problems[0]
+                continue
+            rows_of[nid] = (row, layers)
+        # Attach parents before children (a child's id may be older than its parent's:
+        # splits re-parent). A node whose parent is missing or bad, or whose start does not
+        # continue its parent's tokens, is unreachable: it goes too.
+        attached: set[int] = set()
+        frontier: list[int | None] = [None]
+        while frontier:
+            parent_id = frontier.pop()
+            parent = self.tree.nodes.get(parent_id) if parent_id is not None else None
+            for nid in children.get(parent_id, []):
+                if nid not in rows_of:
+                    continue
+                row, layers = rows_of[nid]
+                expect = parent.end if parent is not None else 0
+                if row.start != expect:
+                    bad[nid] = f"starts at {row.start}, its parent ends at {expect}"
+                    continue
+                node = RadixNode(nid, parent, row.start, row.tokens.copy(), hits=row.hits,
+                                 last_access=row.last_access)
+                node.layers = [self._entry(r, len(row.tokens)) for r in layers]
+                try:
+                    self.tree.attach(node)
+                except ValueError:
+                    bad[nid] = "a sibling starts with the same chunk"
+                    continue
+                for r in layers:
+                    self.stats[(nid, r.layer)] = self._stats_from_row(r, len(row.tokens))
+                attached.add(nid)
+                frontier.append(nid)
+        dropped = [nid for nid, _ in rows_of.items() if nid not in attached] + list(bad)
+        if dropped:
+            self._drop_rows(dropped, bad)
+        referenced = self.meta.referenced_files()
+        removed = 0
+        for entry in os.scandir(self.data_dir):
+            if entry.name in referenced:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                log.warning("store %s: leaving unexpected directory %s alone", self.dir,
+                            entry.path)
+                continue
+            os.unlink(entry.path)       # a link goes, never what it points to
+            removed += 1
+        if removed:
+            log.info("removed %d uncommitted files from %s", removed, self.data_dir)
+
+    def _drop_rows(self, node_ids: list[int], why: dict[int, str]) -> None:
+        """Delete the rows of nodes recovery cannot serve; keep their files for inspection."""
+        names = []
+        for nid in node_ids:
+            names += [r.file for r in self.meta.layers(nid, 0, n_crcs=None)
+                      if valid_file_name(r.file)]
+        for nid in node_ids:
+            if nid in why:
+                log.warning("store %s: node %d not served (%s): its prefix will be recomputed",
+                            self.dir, nid, why[nid])
+        self.metrics.invalid_rows += len(why)
+        self.metrics.quarantined_nodes += len(node_ids)
+
+        def delete():
+            with self.meta.transaction():
+                for nid in node_ids:
+                    self.meta.delete_node(nid)
+        self._meta_write(delete, "dropping damaged rows")
+        for name in names:
+            self._quarantine_file(self.data_dir / name)
+        self._trim_quarantine()
+
+    def _layout(self, n_tokens: int) -> LayerFileLayout:
+        return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
+                               self.shape.head_dim, len(self.config.probe_heads),
+                               self.config.probe_format, self.packed)
+
+    def _entry(self, row: LayerRow, n_tokens: int) -> LayerEntry:
+        return LayerEntry(row.node, row.layer, row.version, str(self.data_dir / row.file),
+                          self._layout(n_tokens), row.mapping, row.crcs)
+
+    def _stats_from_row(self, row: LayerRow, n_tokens: int) -> LayerStats:
+        """Soft state from a row; any piece of the wrong size starts fresh (it is a hint)."""
+        stats = LayerStats.fresh(n_tokens, self.config.chunk_size)
+        sizes = ((row.importance, stats.importance), (row.bitmaps, stats.bitmaps),
+                 (row.access, stats.access), (row.ratio, stats.ratio))
+        if all(have is not None and have.size == want.size for have, want in sizes) and \
+                np.isfinite(row.importance).all():
+            stats.importance[:] = row.importance
+            stats.bitmaps[:] = row.bitmaps.reshape(stats.bitmaps.shape)
+            stats.access[:] = row.access
+            stats.ratio[:] = row.ratio
+        return stats

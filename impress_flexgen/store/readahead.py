@@ -1,0 +1,263 @@
+"""Reads one layer ahead: a request's probe keys and expected chunks are read while the
+layer before computes, and each layer's loads are served once however often its policy asks.
+
+    ahead = ReadAhead(store, policy, n_layers, segments_nodes, stats)
+    ahead.start(0)
+    for layer in range(n_layers):
+        ahead.start(layer + 1)              # next layer's reads go out now
+        loader = ahead.loader(layer)        # this layer's probe and chunk loads
+        ...
+    ahead.close()                           # every read in flight waited for
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from policies import Segment
+from policies.base import ProbeKeys, chunks_holding
+
+from ..tiers import DISK
+
+
+class LayerLoader:
+    """One layer's services to its policy: the probe keys and chunk loads through the tiers
+    and the disk, each chunk loaded once however often it is asked for, with the counters
+    of the request's stats. Chunks read ahead (prefetch) are taken instead of read again."""
+
+    def __init__(self, store, layer: int, segments, ahead: "ReadAhead", stats):
+        self.store, self.layer, self.segments = store, layer, segments
+        self.ahead, self.stats = ahead, stats
+        self.loaded: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.prefetching: list = []                      # [(segment, read)] in flight
+        self.prefetched: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+
+    def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
+        """Start disk reads of chunks the policy is expected to load: [(segment, {kind:
+        ids})]. Tiers are consulted when the policy asks (start_all), as without it."""
+        for si, kinds in wanted:
+            seg = self.segments[si]
+            self.prefetching.append((si, self.store.start_prefetch(seg.entry, kinds, seg.node)))
+
+    def _collect(self) -> None:
+        """Finish the prefetch; its bytes count as read whether or not they are used."""
+        pending, self.prefetching = self.prefetching, []
+        for n, (si, read) in enumerate(pending):
+            try:
+                chunks, nbytes = self.store.finish_prefetch(read)
+            except BaseException:
+                self._drain_prefetch(pending[n + 1:])
+                raise
+            self.prefetched[si] = chunks
+            self.stats.bytes_read[DISK] += nbytes
+            self.stats.chunks_read += sum(len(c) for c in chunks.values())
+
+    def read_probe(self) -> ProbeKeys:
+        t0 = time.perf_counter()
+        probe = self.ahead.result(self.layer)
+        self.stats.probe_bytes += sum(seg.entry.layout.probe_stride for seg in self.segments)
+        self.stats.probe_s += time.perf_counter() - t0
+        return probe
+
+    def load(self, kind: str, si: int, ids) -> list[torch.Tensor]:
+        return self.finish_all(self.start_all([(si, {kind: ids})]))[si][kind]
+
+    def start_all(self, wanted: list[tuple[int, dict]]) -> list:
+        """Submit [(segment, {kind: chunk ids})]: tier hits and prefetched chunks are served
+        now, disk reads go out; finish_all() collects them."""
+        t0 = time.perf_counter()
+        handles = []
+        try:
+            self._collect()
+            for si, kinds in wanted:
+                entry = self.segments[si].entry
+                missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
+                                  if (kind, si, int(i)) not in self.loaded]
+                           for kind, ids in kinds.items()}
+                missing = {kind: ids for kind, ids in missing.items() if ids}
+                reading = None
+                if missing:
+                    ratios = {kind: self.store.chunk_ratios(entry, ids)
+                              for kind, ids in missing.items()}
+                    reading = self.store.submit(entry, missing, self.segments[si].node,
+                                                         ratios, ahead=self.prefetched.get(si))
+                handles.append((si, kinds, missing, reading))
+        except BaseException:
+            self._drain(handles)
+            raise
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+        return handles
+
+    def finish_all(self, handles) -> dict[int, dict[str, list[torch.Tensor]]]:
+        t0 = time.perf_counter()
+        out = {}
+        try:
+            for n, (si, kinds, missing, reading) in enumerate(handles):
+                if reading is not None:
+                    try:
+                        chunks, served = self.store.wait(reading)
+                    except BaseException:
+                        self._drain(handles[n + 1:])
+                        raise
+                    for kind, ids in missing.items():
+                        for i, t in zip(ids, chunks[kind]):
+                            self.loaded[(kind, si, i)] = t
+                    for tier in self.store.tier_names:
+                        self.stats.bytes_read[tier] += served[tier]
+                    self.stats.chunks_read += served["disk_chunks"]
+                    self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
+                out[si] = {kind: [self.loaded[(kind, si, int(i))] for i in ids]
+                           for kind, ids in kinds.items()}
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        self._drain_prefetch(self.prefetching)
+        self.prefetching = []
+
+    def _drain(self, handles) -> None:
+        """Wait for reads nobody will use (their buffers must not be written later)."""
+        for _, _, _, reading in handles:
+            if reading is not None:
+                try:
+                    self.store.wait(reading)
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+
+    def _drain_prefetch(self, pending) -> None:
+        for _, read in pending:
+            try:
+                self.store.finish_prefetch(read)
+            except Exception:  # noqa: BLE001 - nobody asked for these chunks
+                pass
+
+
+class ReadAhead:
+    """Starts a layer's reads one layer ahead, on the store's reader threads.
+
+    The probe keys of layer l+1 do not depend on layer l's result, so their read hides
+    behind layer l's compute; only the wait that is left shows as probe time. A policy
+    that loads every chunk (`loads_everything`: full) has its next layer's K and V read
+    ahead the same way; one that predicts its selection (`prefetch_last_selection`:
+    impress) has the chunks the last query selected on that (node, layer) read ahead, and
+    only what the new selection adds is read after it. Decoding stays on the calling thread
+    (a second thread doing tensor work would fight the compute threads for the cores). A
+    read that fails (CRC, missing file) raises when its layer asks for it, as a direct read
+    would.
+    """
+
+    def __init__(self, store, policy, n_layers: int, segments_nodes, stats, front: int = 0):
+        """`stats`: the request's counters (probe_s, load_s, probe_bytes, bytes_read per
+        tier, chunks_read, chunks_loaded) that the reads add to. `front`: prefix tokens the
+        request recomputes instead of loading (no chunk of theirs alone is read ahead)."""
+        self.front = front
+        self.store = store
+        self.n_layers = n_layers
+        self.segments_nodes = segments_nodes
+        self.stats = stats
+        stored = bool(segments_nodes) and store is not None
+        self.policy = policy
+        self.probes_on = stored and policy.reads_probe
+        self.whole_layers = stored and policy.loads_everything
+        self.last_selection = stored and policy.prefetch_last_selection
+        self.pending: dict[int, list] = {}
+        self.ready: dict[int, ProbeKeys | BaseException] = {}
+        self.loaders: dict[int, LayerLoader] = {}
+
+    def loader(self, layer: int) -> "LayerLoader":
+        """The loader of `layer` (with its reads ahead, if any)."""
+        got = self.loaders.pop(layer, None)
+        if got is None:
+            segments = [Segment(node, used, self.store.entry(node, layer))
+                        for node, used in self.segments_nodes]
+            got = LayerLoader(self.store, layer, segments, self, self.stats)
+        return got
+
+    def start(self, layer: int) -> None:
+        if layer >= self.n_layers:
+            return
+        if self.probes_on and self.policy.probes_layer(layer) and layer not in self.pending:
+            reads = []
+            try:
+                for node, _ in self.segments_nodes:
+                    reads.append(self.store.start_probe(self.store.entry(node, layer), node))
+            except BaseException:
+                self._drain(reads)   # the request fails (a missing file): nothing in flight
+                raise
+            self.pending[layer] = reads
+        if (self.whole_layers or self.last_selection) and layer not in self.loaders:
+            loader = self.loaders[layer] = self.loader(layer)
+            if self.whole_layers:
+                likely = [seg.all_chunks() for seg in loader.segments]
+            else:
+                likely = [self.store.last_selected_chunks(seg.entry) for seg in loader.segments]
+            likely = [chunks_holding(seg, ids, self.front - seg.start)
+                      for seg, ids in zip(loader.segments, likely)]
+            loader.prefetch([(si, {"k": ids, "v": ids})
+                             for si, ids in enumerate(likely) if len(ids)])
+
+    def decode_probe(self, layer: int) -> None:
+        """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
+        result() hands it over, or raises what reading it raised."""
+        if layer not in self.pending:
+            return
+        try:
+            self.ready[layer] = self._finish(layer)
+        except Exception as exc:  # noqa: BLE001 - raised by result(), if it is asked for
+            self.ready[layer] = exc
+
+    def result(self, layer: int) -> ProbeKeys:
+        """The probe keys of `layer` (stored order, with their logical positions)."""
+        if not self.probes_on:
+            raise RuntimeError("the policy reads no probe")
+        if layer in self.ready:
+            got = self.ready.pop(layer)
+            if isinstance(got, BaseException):
+                raise got
+            return got
+        return self._finish(layer)
+
+    def _finish(self, layer: int) -> ProbeKeys:
+        self.start(layer)
+        reads = self.pending.pop(layer)
+        parts, columns, width = [], [], 0   # columns: logical position -> column
+        try:
+            for (_, used), pending in zip(self.segments_nodes, reads):
+                entry = pending.entry
+                probe = self.store.finish_probe(pending)
+                # Keys stay in stored order (scoring maps its scores back); only an
+                # unreordered node can drop its unused tail by slicing.
+                if entry.mapping is None:
+                    probe = probe[:, :used]
+                    columns.append(np.arange(width, width + used))
+                else:
+                    columns.append(entry.physical_of[:used] + width)
+                parts.append(probe)
+                width += probe.shape[1]
+        except BaseException:
+            self._drain(reads[len(parts) + 1:])
+            raise
+        keys = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        reordered = any(pending.entry.mapping is not None for pending in reads)
+        return ProbeKeys(keys, np.concatenate(columns) if reordered else None)
+
+    def _drain(self, reads) -> None:
+        for pending in reads:
+            try:
+                self.store.finish_probe(pending)
+            except Exception:  # noqa: BLE001 - nobody asked for this read
+                pass
+
+    def close(self) -> None:
+        """Wait for reads still in flight: a failed request may quarantine their files next."""
+        for reads in self.pending.values():
+            self._drain(reads)
+        for loader in self.loaders.values():
+            loader.close()
+        self.pending.clear()
+        self.ready.clear()
+        self.loaders.clear()

@@ -1,0 +1,25 @@
+"""Where chunk KV lives: the tier interface, the memory tiers and their chain, the remote tier.
+
+The remote tier (RedisTier, RemoteNamespace) is imported on first use, so that importing
+this package does not need the redis client.
+"""
+from .base import ChunkKey, Tier, nbytes, payload_crc
+from .chain import CPU, DISK, GPU, REMOTE, ChunkCache, TierConfig, TierSpec
+from .memory import MemoryTier
+
+__all__ = ["CPU", "DISK", "GPU", "REMOTE", "ChunkCache", "ChunkKey", "MemoryTier", "Tier",
+           "TierConfig", "TierSpec", "nbytes", "payload_crc"]
+
+_REMOTE_NAMES = ("RedisTier", "RemoteNamespace")
+
+
+def __getattr__(name: str):
+    if name in _REMOTE_NAMES:
+        from . import remote
+
+        return getattr(remote, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_REMOTE_NAMES])

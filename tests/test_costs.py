@@ -1,0 +1,184 @@
+"""The cost model: prefill curve fit, calibration cache, bandwidth EWMA, CostModel."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from impress_flexgen.costs import (
+    DEFAULT_POINTS,
+    Bandwidth,
+    CostModel,
+    PrefillCurve,
+    calibrate,
+    machine_key,
+)
+
+TRUE = PrefillCurve(a=2e-3, b=5e-5, c=1e-8)
+
+
+def _points(curve, grid=DEFAULT_POINTS):
+    return [(n, ctx, curve.predict(n, ctx)) for n, ctx in grid]
+
+
+def test_predict_follows_the_formula():
+    assert TRUE.predict(100, 50) == pytest.approx(2e-3 + 5e-5 * 100 + 1e-8 * 100 * 100)
+    assert TRUE.predict(0, 1000) == 0.0   # nothing to prefill
+    assert TRUE.predict(64, 4096) > TRUE.predict(64, 0)   # attention over the context
+
+
+def test_fit_recovers_exact_coefficients():
+    fit = PrefillCurve.fit(_points(TRUE))
+    for got, want in zip(fit.coef, TRUE.coef):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert fit.predict(3000, 1000) == pytest.approx(TRUE.predict(3000, 1000), rel=1e-6)
+
+
+def test_fit_never_goes_negative():
+    # Pure per-token cost, measured a little low on long prefills: unconstrained least
+    # squares would answer with a negative intercept or attention term.
+    pts = [(n, ctx, 1e-4 * n * (0.97 if n >= 1024 else 1.0)) for n, ctx in DEFAULT_POINTS]
+    fit = PrefillCurve.fit(pts)
+    assert min(fit.coef) >= 0
+    for n, ctx, s in pts:
+        assert fit.predict(n, ctx) == pytest.approx(s, rel=0.1)
+
+
+@pytest.mark.parametrize("pts", [
+    [(16, 0, 0.1), (32, 0, 0.2)],                      # too few points
+    [(16, 0, 0.1), (32, 0, 0.2), (0, 0, 0.1)],         # no new tokens
+    [(16, 0, 0.1), (32, 0, 0.2), (64, -1, 0.1)],       # negative context
+    [(16, 0, 0.1), (32, 0, 0.2), (64, 0, float("nan"))],
+    [(16, 0, 0.1), (32, 0, 0.2), (64, 0, 0.0)],
+])
+def test_fit_refuses_bad_points(pts):
+    with pytest.raises(ValueError):
+        PrefillCurve.fit(pts)
+
+
+def test_curve_refuses_negative_coefficients():
+    with pytest.raises(ValueError, match="coefficient"):
+        PrefillCurve(1e-3, -1e-5, 0.0)
+
+
+class Meter:
+    """A fake measure(): TRUE's time plus noise that shrinks with each repeat."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, n, ctx):
+        self.calls.append((n, ctx))
+        repeat = sum(1 for c in self.calls if c == (n, ctx))
+        return TRUE.predict(n, ctx) * (1 + 0.5 / repeat)   # 1.5x, 1.25x, ...
+
+
+def test_calibrate_takes_the_min_of_repeats_and_caches(tmp_path):
+    cache = tmp_path / "sub" / "prefill.json"
+    meter = Meter()
+    curve = calibrate(meter, DEFAULT_POINTS, cache, key="k1", repeats=2)
+    assert len(meter.calls) == 2 * len(DEFAULT_POINTS)
+    assert curve.predict(1024, 0) == pytest.approx(TRUE.predict(1024, 0) * 1.25, rel=1e-6)
+    doc = json.loads(cache.read_text())
+    assert set(doc) == {"version", "key", "points", "coef"}
+    assert doc["key"] == "k1" and doc["coef"] == pytest.approx(curve.coef)
+    assert [tuple(p[:2]) for p in doc["points"]] == list(DEFAULT_POINTS)
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["prefill.json"]  # no tmp left
+
+    def refuse(n, ctx):
+        raise AssertionError("a cached calibration must not measure")
+
+    assert calibrate(refuse, DEFAULT_POINTS, cache, key="k1") == curve
+    other = Meter()
+    calibrate(other, DEFAULT_POINTS, cache, key="k2", repeats=1)   # another machine
+    assert len(other.calls) == len(DEFAULT_POINTS)
+    assert json.loads(cache.read_text())["key"] == "k2"
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x00\xffnot json", b"[1, 2, 3]", b'{"version": 1, "key": "k", "coef": [1, 2]}',
+    b'{"version": 1, "key": "k", "coef": [0.1, -1, 0]}',
+    b'{"version": 1, "key": "k", "coef": ["a", "b", "c"]}',
+    b'{"version": 1, "key": "k"}',
+])
+def test_corrupt_cache_is_measured_again_and_rewritten(tmp_path, garbage):
+    cache = tmp_path / "prefill.json"
+    cache.write_bytes(garbage)
+    meter = Meter()
+    curve = calibrate(meter, DEFAULT_POINTS, cache, key="k", repeats=1)
+    assert len(meter.calls) == len(DEFAULT_POINTS)
+    doc = json.loads(cache.read_text())
+    assert doc["key"] == "k" and doc["coef"] == pytest.approx(curve.coef)
+
+
+def test_calibrate_without_cache_and_bad_repeats():
+    meter = Meter()
+    calibrate(meter, DEFAULT_POINTS, None, repeats=3)
+    assert len(meter.calls) == 3 * len(DEFAULT_POINTS)
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(meter, DEFAULT_POINTS, None, repeats=0)
+
+
+def test_machine_key_names_what_the_curve_depends_on():
+    import torch
+
+    key = machine_key("smollm2-135m", "cpu", torch.float32)
+    assert "smollm2-135m" in key and "float32" in key and torch.__version__ in key
+    assert key == machine_key("smollm2-135m", "cpu", torch.float32)
+    assert key != machine_key("smollm2-135m", "cpu", torch.bfloat16)
+    assert key != machine_key("opt-125m", "cpu", torch.float32)
+
+
+def test_bandwidth_default_then_ewma():
+    bw = Bandwidth({"disk": 1e9, "cpu": 1e10})
+    assert bw.get("disk") == 1e9
+    bw.observe("disk", 1 << 20, (1 << 20) / 2e8)   # first observation replaces the default
+    assert bw.get("disk") == pytest.approx(2e8)
+    bw.observe("disk", 1 << 20, (1 << 20) / 4e8)
+    assert bw.get("disk") == pytest.approx(2e8 + 0.3 * (4e8 - 2e8))
+    bw.observe("disk", 1000, 1e-9)              # tiny: overhead, not bandwidth
+    bw.observe("disk", 1 << 20, 0.0)
+    bw.observe("disk", 1 << 20, -1.0)
+    assert bw.get("disk") == pytest.approx(2.6e8)
+    assert bw.get("cpu") == 1e10
+    assert bw.snapshot() == {"disk": pytest.approx(2.6e8), "cpu": 1e10}
+
+
+def test_bandwidth_is_thread_safe():
+    bw = Bandwidth({"disk": 1.0})
+
+    def observe():
+        for _ in range(2000):
+            bw.observe("disk", 1 << 20, (1 << 20) / 5e8)
+
+    threads = [threading.Thread(target=observe) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bw.get("disk") == pytest.approx(5e8)
+
+
+def test_bandwidth_refuses_bad_defaults_and_unknown_tiers():
+    with pytest.raises(ValueError, match="disk"):
+        Bandwidth({"disk": 0})
+    with pytest.raises(KeyError, match="nvme"):
+        Bandwidth({"disk": 1e9}).get("nvme")
+
+
+def test_cost_model():
+    cost = CostModel(TRUE, Bandwidth({"disk": 1e9, "cpu": 1e10}), n_layers=30)
+    assert cost.compute_s(64, 1024) == TRUE.predict(64, 1024)
+    assert cost.io_s({"disk": 10 ** 9, "cpu": 10 ** 10}) == pytest.approx(2.0)
+    assert cost.io_s({"disk": 0, "gpu": 0}) == 0.0   # nothing to read: no bandwidth needed
+    with pytest.raises(ValueError, match="n_layers"):
+        CostModel(TRUE, Bandwidth({}), n_layers=0)
+
+
+def test_scaled_curve_is_the_same_curve_slower():
+    slow = TRUE.scaled(1.5)
+    assert slow.coef == pytest.approx([1.5 * x for x in TRUE.coef])
+    assert slow.predict(300, 700) == pytest.approx(1.5 * TRUE.predict(300, 700))
+    with pytest.raises(ValueError, match="coefficient"):
+        TRUE.scaled(-1.0)

@@ -1,0 +1,141 @@
+"""Serving processes share prefix KV through a real redis-server: a prefix stored by one is
+served bit-exact to another whose local store is empty; a pool that dies, or hands back a
+damaged value, never fails a request nor changes its tokens."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from policies import ServingConfig, make_policy
+from tests.redis_server import RedisServer, require_redis_server
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = np.random.default_rng(11).integers(10, 40000, 136).tolist()   # 8 chunks of 16 + 8
+QUERY = np.random.default_rng(12).integers(10, 40000, 6).tolist()
+
+# One serving process: serve PREFIX + QUERY once with its own store and the shared pool,
+# then dump its tokens, stats and the KV its local store now holds.
+ROLE = textwrap.dedent("""
+    import json, sys, torch
+    from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from policies import ServingConfig, make_policy
+    store_dir, url, out, off = sys.argv[1:5]
+    prefix, query = json.loads(sys.argv[5]), json.loads(sys.argv[6])
+    rt = Runtime(RuntimeConfig(model="llama-tiny", offload_dir=off))
+    cfg = ServingConfig(retention=1.0)
+    policy = make_policy("full", cfg)
+    store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
+    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url))
+    resp = engine.serve(Request(prefix, query, 4))
+    engine.shared.tier.flush(10)
+    match = store.match_prefix(prefix)
+    kv = [[torch.cat([store.read_layer(n.layers[layer], n)[i][:, :u] for n, u in match.segments], 1)
+           for i in (0, 1)] for layer in range(len(match.nodes[0].layers))]
+    store.release(match)
+    torch.save({"tokens": resp.tokens, "stats": resp.stats.as_dict(), "kv": kv}, out)
+    engine.close(); store.close(); rt.close()
+""")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer(require_redis_server()) as srv:
+        yield srv
+
+
+def _serve_in_process(tmp_path, name, url):
+    out = tmp_path / f"{name}.pt"
+    subprocess.run([sys.executable, "-c", ROLE, str(tmp_path / f"store-{name}"), url, str(out),
+                    str(tmp_path / f"off-{name}"), json.dumps(PREFIX), json.dumps(QUERY)],
+                   cwd=ROOT, check=True, timeout=300)
+    return torch.load(out)
+
+
+def test_second_process_serves_the_prefix_from_the_pool_bit_exact(server, tmp_path):
+    redis.Redis.from_url(server.url).flushdb()
+    a = _serve_in_process(tmp_path, "a", server.url)
+    b = _serve_in_process(tmp_path, "b", server.url)
+    assert a["stats"]["shared_tokens"] == 0 and a["stats"]["matched_tokens"] == 0
+    # B's local store was empty: the 128 whole-chunk tokens came from the pool.
+    assert b["stats"]["shared_tokens"] == 128 and b["stats"]["matched_tokens"] == 0
+    assert b["stats"]["computed_tokens"] == 8 + 6
+    assert b["stats"]["bytes_read"]["remote"] > 0
+    assert b["tokens"] == a["tokens"]
+    assert len(a["kv"]) == len(b["kv"]) == 2
+    for (ka, va), (kb, vb) in zip(a["kv"], b["kv"]):
+        assert ka.shape[1] == kb.shape[1] == 128
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def _engine(rt, store_dir, url):
+    cfg = ServingConfig(retention=1.0)
+    policy = make_policy("full", cfg)
+    store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
+    return Engine(rt, store, policy, TierSizes(0, 0, remote_url=url)), store
+
+
+def _reference(rt, prefix, query, n=3):
+    return rt.generate([prefix + query], n).new_ids[0]
+
+
+def test_pool_killed_mid_run_requests_keep_being_served(tiny_runtimes, tmp_path):
+    rt = tiny_runtimes["llama-tiny"]
+    with RedisServer(require_redis_server()) as srv:
+        engine, store = _engine(rt, tmp_path / "s", srv.url)
+        engine.shared.tier.retry_after_s = 60.0
+        try:
+            prompts = [(np.random.default_rng(100 + i).integers(10, 40000, 80).tolist(),
+                        np.random.default_rng(200 + i).integers(10, 40000, 5).tolist())
+                       for i in range(4)]
+            for i, (prefix, query) in enumerate(prompts):
+                if i == 2:
+                    srv.kill()
+                resp = engine.serve(Request(prefix, query, 3))
+                assert resp.tokens == _reference(rt, prefix, query), i
+            assert engine.shared.tier.metrics()["down"] == 1
+            # Stored locally all the same: the next request over a prefix hits the disk.
+            again = engine.serve(Request(prompts[3][0], prompts[3][1], 3))
+            assert again.stats.matched_tokens == 80 and again.tokens == _reference(rt, *prompts[3])
+        finally:
+            engine.close()
+            store.close()
+
+
+def test_corrupted_pool_value_is_detected_and_recomputed(tiny_runtimes, tmp_path, server):
+    rt = tiny_runtimes["llama-tiny"]
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    prefix, query = PREFIX[:96], QUERY
+    writer, wstore = _engine(rt, tmp_path / "w", server.url)
+    try:
+        writer.serve(Request(prefix, query, 3))
+        assert writer.shared.tier.flush(10)
+    finally:
+        writer.close()
+        wstore.close()
+    keys = sorted(k for k in client.keys(b"ifkv:*") if not k.endswith(b":done"))
+    assert keys
+    victim = keys[len(keys) // 2]
+    value = bytearray(client.get(victim))
+    value[-5] ^= 0xFF
+    client.set(victim, bytes(value))
+    reader, rstore = _engine(rt, tmp_path / "r", server.url)
+    try:
+        resp = reader.serve(Request(prefix, query, 3))
+        assert resp.tokens == _reference(rt, prefix, query)
+        assert reader.shared.tier.metrics()["corrupt_values"] >= 1
+        assert reader.shared_fallbacks == 1
+        assert resp.stats.shared_tokens == 0 and resp.stats.computed_tokens == 96 + 6
+    finally:
+        reader.close()
+        rstore.close()
