@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from disk_layout.io import ReadLimit
+from impress_flexgen import prefix_plan
 from impress_flexgen.cli import ArgumentParser, finite_float, int_range, run_main, write_json
 from impress_flexgen.costs import Bandwidth, CostModel, PrefillCurve
 from impress_flexgen.engine import Engine, Request, TierSizes
@@ -171,7 +172,8 @@ def _record(resp, plan_row: bool) -> dict:
     return out
 
 
-def measure(rt, args, bar) -> list[dict]:
+def measure(rt, args, bar, on_cell=None) -> list[dict]:
+    """Every cell (prefix length x read limit); on_cell(cells so far) after each."""
     root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
     cells = []
     for length in args.prefix_list:
@@ -204,6 +206,8 @@ def measure(rt, args, bar) -> list[dict]:
                             bar.update(1)
                     rows = {**engines, **planners}
                     cells.append(_cell(length, limit, pool, wl, rows, recompute, args, bar))
+                    if on_cell is not None:
+                        on_cell(cells)
                     if args.recompute_each_limit:
                         recompute.clear()
                 finally:
@@ -461,7 +465,9 @@ def _calibration_cache(directory: str | None):
 
 
 def _calibrate(rt, args) -> dict:
-    """The prefill curve, measured (or read from the cache) before any request."""
+    """The prefill curve, measured (or read from the cache) before any request: every
+    point, past the budget a server's start-up keeps to (the prefixes here reach 8k)."""
+    prefix_plan.CALIBRATION_BUDGET_S = None
     t0 = time.perf_counter()
     with prepared(rt, build_workload(rt.tokenizer, WorkloadConfig(
             n_prefixes=1, prefix_tokens=64, queries_per_prefix=1, warmup_queries=1,
@@ -470,6 +476,26 @@ def _calibrate(rt, args) -> dict:
         curve = ready.engine.planner.cost().prefill
         return {"a": curve.a, "b": curve.b, "c": curve.c,
                 "seconds": time.perf_counter() - t0}
+
+
+def _payload(args, argv, calibration, cells, complete: bool) -> dict:
+    return {
+        "model": args.model,
+        "command": "python -m experiments.planner " + " ".join(argv if argv is not None
+                                                                else sys.argv[1:]),
+        "complete": complete,
+        "workload": {"prefix_tokens": args.prefix_list, "prefixes": args.prefixes,
+                     "queries_per_prefix": args.queries, "warmup_per_prefix": args.warmup,
+                     "repeats": args.repeats, "query_tokens": args.query_tokens,
+                     "chunk_size": args.chunk_size, "retention": args.retention,
+                     "read_limits_mb_s": args.limit_list, "threads": args.threads,
+                     "recompute_each_limit": args.recompute_each_limit},
+        "calibration": calibration,
+        "summary": summary(cells) if cells else None,
+        "measured": cells,
+        "opt30b_model": {"note": "computed from the cost model, not measured",
+                         "figures": dataclasses.asdict(GpuFigures()),
+                         "rows": opt30b_table()}}
 
 
 def main(argv=None) -> int:
@@ -488,32 +514,19 @@ def main(argv=None) -> int:
             total = n_cells * ((len(ROWS) - 1) * queries + len(PLANNERS) * args.prefixes *
                                args.warmup) + (n_cells if args.recompute_each_limit else
                                                len(args.prefix_list)) * queries
-            with tqdm(total=total,
-                      desc="requests", unit="req") as bar:
-                cells = measure(rt, args, bar)
+
+            def done_so_far(cells):   # a long run stopped midway keeps its finished cells
+                write_json(args.json, _payload(args, argv, calibration, cells, False))
+
+            with tqdm(total=total, desc="requests", unit="req") as bar:
+                cells = measure(rt, args, bar, done_so_far)
     finally:
         torch.set_num_threads(threads)
-    summ = summary(cells)
-    print_measured(cells, summ)
-    model_rows = opt30b_table()
-    print_opt30b(model_rows)
+    print_measured(cells, summary(cells))
+    print_opt30b(opt30b_table())
     if args.figure:
         plot(cells, args.figure, args.model)
-    write_json(args.json, {
-        "model": args.model,
-        "command": "python -m experiments.planner " + " ".join(argv if argv is not None
-                                                                else sys.argv[1:]),
-        "workload": {"prefix_tokens": args.prefix_list, "prefixes": args.prefixes,
-                     "queries_per_prefix": args.queries, "warmup_per_prefix": args.warmup,
-                     "repeats": args.repeats, "query_tokens": args.query_tokens,
-                     "chunk_size": args.chunk_size, "retention": args.retention,
-                     "read_limits_mb_s": args.limit_list, "threads": args.threads,
-                     "recompute_each_limit": args.recompute_each_limit},
-        "calibration": calibration,
-        "summary": summ,
-        "measured": cells,
-        "opt30b_model": {"note": "computed from the cost model, not measured",
-                         "figures": dataclasses.asdict(GpuFigures()), "rows": model_rows}})
+    write_json(args.json, _payload(args, argv, calibration, cells, True))
     return 0
 
 

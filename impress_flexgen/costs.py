@@ -172,11 +172,15 @@ def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
 
 def calibrate(measure: Callable[[int, int], float],
               points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
-              cache_path: Path | None = None, key: str = "", repeats: int = 2) -> PrefillCurve:
+              cache_path: Path | None = None, key: str = "", repeats: int = 2,
+              budget_s: float | None = None) -> PrefillCurve:
     """Fit a PrefillCurve to measure(n, ctx) -> seconds at each point (min of `repeats`).
 
     With cache_path, a cache written for the same `key` (see machine_key) is used without
     measuring; a missing, foreign or corrupt one is measured again and rewritten.
+    budget_s: points are measured cheapest first, and once three are in, a point whose
+    predicted cost would take the calibration past `budget_s` seconds is left out (a slow
+    machine starts in seconds, with a curve fitted on shorter prefills). None: every point.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -186,10 +190,17 @@ def calibrate(measure: Callable[[int, int], float],
         if cached is not None:
             return cached
     measured = []
-    for n, ctx in points:
+    spent = 0.0
+    order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
+    for n, ctx in order:
+        if budget_s is not None and len(measured) >= 3:
+            guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
+            if spent + guess > budget_s:
+                continue
         # The min: noise (other work, page faults) only ever adds time.
-        s = min(float(measure(int(n), int(ctx))) for _ in range(repeats))
-        measured.append((int(n), int(ctx), s))
+        runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
+        spent += sum(runs)
+        measured.append((int(n), int(ctx), min(runs)))
     curve = PrefillCurve.fit(measured)
     if cache_path is not None:
         _write_cache(cache_path, key, measured, curve)

@@ -41,6 +41,9 @@ from .tiers.chain import DISK, REMOTE
 # Until a read says otherwise (bytes/s): memory tiers are fast, the disk a modest SSD.
 _DEFAULT_BANDWIDTH = {"gpu": 50e9, "cpu": 10e9, DISK: 1e9, REMOTE: 1e9}
 _MODES = ("load", "recompute", "both")
+# Seconds of prefills a calibration may spend at start-up; its longest points are left out
+# past it (on a 2-core CPU every point of smollm2-135m takes two minutes). None: all.
+CALIBRATION_BUDGET_S: float | None = 20.0
 _MIN_COMPUTE_S = 0.02   # shorter prefills say more about timer noise than machine speed
 
 
@@ -86,6 +89,8 @@ class PrefixPlanner:
         # seconds, whatever the plan (other work on the machine slows every plan alike).
         self.speed = _Learned(1.0, prior_weight=2)
         self._chosen = None
+        # Start-up time the calibration may take (None: measure every point).
+        self.budget_s: float | None = CALIBRATION_BUDGET_S
         self._cost: CostModel | None = None
         self._lock = threading.Lock()
 
@@ -97,8 +102,10 @@ class PrefixPlanner:
                 e = self.engine
                 key = machine_key(e.rt.spec.name, e.device, e.dtype)
                 name = hashlib.sha256(key.encode()).hexdigest()[:16]
+                key += f";budget={self.budget_s}"
                 curve = calibrate(e.measure_prefill, self.points,
-                                  cache_dir() / "costs" / f"{name}.json", key=key)
+                                  cache_dir() / "costs" / f"{name}.json", key=key,
+                                  budget_s=self.budget_s)
                 self._cost = CostModel(curve, self.bandwidth, e.math.n_layers)
             return self._cost
 

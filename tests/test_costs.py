@@ -182,3 +182,15 @@ def test_scaled_curve_is_the_same_curve_slower():
     assert slow.predict(300, 700) == pytest.approx(1.5 * TRUE.predict(300, 700))
     with pytest.raises(ValueError, match="coefficient"):
         TRUE.scaled(-1.0)
+
+
+def test_calibrate_within_a_budget_leaves_out_the_longest_points():
+    meter = Meter()
+    # TRUE's points cost 3 ms to 0.43 s (first runs): 0.2 s keeps the cheap ones only.
+    curve = calibrate(meter, DEFAULT_POINTS, None, repeats=1, budget_s=0.2)
+    measured = sorted(set(meter.calls))
+    assert 3 <= len(measured) < len(DEFAULT_POINTS)
+    assert sum(TRUE.predict(n, ctx) * 1.5 for n, ctx in measured) <= 0.2 + \
+        max(TRUE.predict(n, ctx) * 1.5 for n, ctx in measured)
+    assert (4096, 0) not in measured and (16, 0) in measured
+    assert curve.predict(64, 0) == pytest.approx(TRUE.predict(64, 0) * 1.5, rel=0.05)
