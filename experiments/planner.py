@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -123,6 +124,9 @@ def parse_args(argv):
                    help="reuse the prefill calibration cached in DIR (default: measure it "
                         "afresh at the start of the run)")
     p.add_argument("--store-root", help="where the stores go (default: a temp dir on local disk)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="measure nothing: join the cells of these --json outputs (parts of one "
+                        "grid run one after another), then print, --json and --figure them")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--figure", metavar="PNG", help="TTFT against disk read limit")
     args = p.parse_args(argv)
@@ -498,8 +502,37 @@ def _payload(args, argv, calibration, cells, complete: bool) -> dict:
                          "rows": opt30b_table()}}
 
 
+def merge(paths) -> dict:
+    """One payload of the cells of several parts (in the order given)."""
+    parts = []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+            cells = doc["measured"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"--merge: cannot read the cells of {path}: {exc}") from None
+        parts.append((path, doc, cells))
+    cells = [c for _, _, part in parts for c in part]
+    if not cells:
+        raise UserError("--merge: the files hold no measured cells")
+    first = parts[0][1]
+    return {"model": first.get("model"), "complete": all(d.get("complete") for _, d, _ in parts),
+            "parts": [{"file": str(path), "command": d.get("command"),
+                       "complete": d.get("complete"), "workload": d.get("workload"),
+                       "calibration": d.get("calibration")} for path, d, _ in parts],
+            "summary": summary(cells), "measured": cells,
+            "opt30b_model": first.get("opt30b_model")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        doc = merge(args.merge)
+        print_measured(doc["measured"], doc["summary"])
+        if args.figure:
+            plot(doc["measured"], args.figure, doc["model"] or args.model)
+        write_json(args.json, doc)
+        return 0
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
