@@ -361,7 +361,7 @@ class GpuFigures:
         FLOPs: 2 * params per token, 4 * hidden * layers per (query, key) pair."""
         ratio = 4 * self.hidden * self.n_layers / (2 * self.params)   # c / b
         n = self.prefix_tokens
-        b = self.recompute_s / (n + ratio * n * n / 2)
+        b = self.recompute_s / (n + ratio * n * n)
         return PrefillCurve(0.0, b, ratio * b)
 
 
@@ -540,7 +540,7 @@ def main(argv=None) -> int:
                 Runtime(RuntimeConfig(model=args.model)) as rt:
             calibration = _calibrate(rt, args)
             print(f"prefill curve: t(n, ctx) = {calibration['a']:.3g} + {calibration['b']:.3g} n "
-                  f"+ {calibration['c']:.3g} n (ctx + n/2) s ({calibration['seconds']:.0f} s "
+                  f"+ {calibration['c']:.3g} n (ctx + n) s ({calibration['seconds']:.0f} s "
                   f"to calibrate)")
             queries = args.prefixes * args.queries * args.repeats
             n_cells = len(args.prefix_list) * len(args.limit_list)

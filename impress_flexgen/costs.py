@@ -1,9 +1,13 @@
 """The cost model behind the load / recompute / both plan: prefill time and read bandwidth.
 
 Prefill of `n` new tokens over `ctx` earlier ones costs linear work per token plus
-attention of each new token over everything before it:
+attention of each new token over the context and the new tokens:
 
-    t(n, ctx) = a + b*n + c*n*(ctx + n/2)
+    t(n, ctx) = a + b*n + c*n*(ctx + n)
+
+n*(ctx + n), not n*(ctx + n/2): the engine's attention is one dense product under a mask
+(causal, or which tokens a recomputed front may see), so every (query, key) pair of the
+pass is computed, masked or not.
 
 fitted (non-negative least squares) to a few measured points, cached per machine, model,
 dtype and device. Read bandwidth is learnt per tier from the reads themselves (EWMA).
@@ -26,7 +30,7 @@ import numpy as np
 
 log = logging.getLogger("impress_flexgen.costs")
 
-CACHE_VERSION = 2   # 2: the 4,096-token point
+CACHE_VERSION = 3   # 2: the 4,096-token point; 3: dense attention, n * (ctx + n)
 # Points measured by default: short and long prefills, with and without earlier context,
 # so that a (per call), b (per token) and c (attention) are all pinned down. The longest
 # pins c where it dominates: fitted on 2,048 tokens at most, a CPU's 4,096-token prefill
@@ -38,7 +42,7 @@ DEFAULT_POINTS: tuple[tuple[int, int], ...] = (
 
 
 def _features(n: float, ctx: float) -> tuple[float, float, float]:
-    return 1.0, float(n), float(n) * (float(ctx) + float(n) / 2)
+    return 1.0, float(n), float(n) * (float(ctx) + float(n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +51,7 @@ class PrefillCurve:
 
     a: float   # per call
     b: float   # per token
-    c: float   # per token pair attended
+    c: float   # per (query, key) pair of the attention
 
     def __post_init__(self):
         for name in ("a", "b", "c"):

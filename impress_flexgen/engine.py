@@ -656,6 +656,14 @@ class Engine:
         The first `front` queries (a recomputed prefix front) see none of the keys before
         the tail: those are prefix tokens after them."""
         s, m = q.shape[2], keys.shape[1]
+        if front:
+            # The front over its own keys only (the first of the tail), the rest over all:
+            # masking the prefix out of the front's rows would still compute them.
+            lo = m - causal_tail
+            head = self._attend(q[:, :, :front], keys[:, lo:lo + front],
+                                values[:, lo:lo + front], mask[:, lo:lo + front], front)
+            rest = self._attend(q[:, :, front:], keys, values, mask, causal_tail - front)
+            return torch.cat([head, rest], dim=2)
         group = self.math.n_head // self.math.n_kv_head
         # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
         # serves all heads, instead of a copy per head.
@@ -667,8 +675,6 @@ class Engine:
         allowed[:, :, m - causal_tail:] &= tail
         # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
         allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, self.device)
-        if front:
-            allowed[:, :front, :m - causal_tail] = False
         allowed = allowed[None] if shared else \
             allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
         work = torch.float32 if self.device.type == "cpu" else q.dtype

@@ -9,16 +9,19 @@ so compute and I/O overlap except for one layer's worth of the shorter:
 
 With C the prefill curve, T tokens per chunk and q new tokens, for a split m:
 
-    compute(m) = C(m*T + q, 0) + [C(q, m*T + kept[m]) - C(q, m*T)] + select
+    compute(m) = C(m*T + q, kept[m]) + select
     io(m)      = IO[m] + probe
     both(m)    = overlap(compute(m), io(m)),   recompute = C(n*T + q, 0)
 
 IO[m]: seconds of the chunk reads left when the first m chunks are recomputed, kept[m]:
 prefix tokens past the front the new tokens attend to (what the policy keeps of them),
 select and probe: the policy's scoring and probe reads, paid once whatever part loads (it
-scores the whole stored prefix). both(0) is load and both(n) is recompute, so the three
-are one curve over m in [0, n]; the plan takes its minimum (the least recomputed on a tie,
-and an interior split only when it wins by BOTH_MARGIN).
+scores the whole stored prefix). The front is recomputed in the same pass as the new
+tokens, one dense masked product over all their keys: its tokens cost the whole context,
+not only each other (unlike Cake's), which makes a split dearer the longer the prefix.
+both(0) is load and both(n) is recompute, so the three are one curve over m in [0, n]; the
+plan takes its minimum (the least recomputed on a tie, and an interior split only when it
+wins by BOTH_MARGIN).
 """
 from __future__ import annotations
 
@@ -107,11 +110,10 @@ def overlap(compute_s: float, io_s: float, n_layers: int) -> float:
 
 def split_compute(cost: CostModel, prefix: PrefixCosts, m: int) -> float:
     """Prefill seconds of the split m (the prefill curve's part: no I/O, no scoring)."""
-    C, T, q = cost.compute_s, prefix.chunk_tokens, prefix.query_tokens
+    T, q = prefix.chunk_tokens, prefix.query_tokens
     if m >= prefix.n_chunks:
-        return C(prefix.n_chunks * T + q, 0)
-    front = m * T
-    return C(front + q, 0) + C(q, front + prefix.kept_after[m]) - C(q, front)
+        return cost.compute_s(prefix.n_chunks * T + q, 0)
+    return cost.compute_s(m * T + q, prefix.kept_after[m])
 
 
 def split_costs(cost: CostModel, prefix: PrefixCosts) -> list[float]:

@@ -23,7 +23,7 @@ def _points(curve, grid=DEFAULT_POINTS):
 
 
 def test_predict_follows_the_formula():
-    assert TRUE.predict(100, 50) == pytest.approx(2e-3 + 5e-5 * 100 + 1e-8 * 100 * 100)
+    assert TRUE.predict(100, 50) == pytest.approx(2e-3 + 5e-5 * 100 + 1e-8 * 100 * 150)
     assert TRUE.predict(0, 1000) == 0.0   # nothing to prefill
     assert TRUE.predict(64, 4096) > TRUE.predict(64, 0)   # attention over the context
 

@@ -51,7 +51,8 @@ def test_comparable_costs_do_both():
     assert plan.predicted_s == p["both"] < 0.8 * min(p["recompute"], p["load"])
     # The split is where both halves meet: neither side much longer than the other.
     m = plan.split_chunks
-    compute = COST.compute_s(m * T + Q, 0) + COST.compute_s(Q, N * T) - COST.compute_s(Q, m * T)
+    # The front and the query in one pass over the chunks left to load.
+    compute = COST.compute_s(m * T + Q, (N - m) * T)
     io = (N - m) * _equal_io_per_chunk()
     assert abs(compute - io) < 0.1 * max(compute, io)
 
@@ -215,3 +216,14 @@ def test_invalid_inputs(args):
     with pytest.raises(ValueError):
         choose("auto", COST, kw["n_chunks"], kw["chunk_tokens"], kw["query_tokens"],
                kw["chunk_io_s"], kw["probe_s"])
+
+
+def test_a_recomputed_front_costs_the_whole_context():
+    # One dense masked pass: the m*T front tokens and the query over the kept tokens left
+    # to load and themselves, so a front is dearer than the same tokens recomputed alone.
+    prefix = PrefixCosts.uniform(N, T, Q, _io(1e-3))
+    m = N // 2
+    front = split_compute(COST, prefix, m)
+    assert front == pytest.approx(COST.compute_s(m * T + Q, (N - m) * T))
+    alone = COST.compute_s(m * T + Q, 0) + COST.compute_s(Q, N * T) - COST.compute_s(Q, m * T)
+    assert front > alone
