@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     from impress_flexgen import scratch
     from impress_flexgen.runtime import Runtime, RuntimeConfig
     from impress_flexgen.serve import background_server
+    from impress_flexgen.serve_guard import ServerOptions
     from impress_flexgen.service import Service, ServiceConfig
     from impress_flexgen.serving import RunConfig, kv_bytes_per_token
 
@@ -187,7 +188,8 @@ def main(argv=None) -> int:
                                        cpu_cache_bytes=cpu, queue_size=args.clients + 1,
                                        timeout_s=3600)
                 with Service(config, runtime=rt) as service, \
-                        background_server(service) as url:
+                        background_server(service,
+                                          options=ServerOptions(cache_stats=True)) as url:
                     # One unrelated request first: one-off costs stay out of the figures.
                     service.complete(service.frontend.build(prompt="Warm up. " * 8,
                                                             max_tokens=2))

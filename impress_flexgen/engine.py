@@ -73,6 +73,7 @@ class Request:
     # Called with each new token as it is produced (the first included, a stop token not);
     # returning False ends generation there (stop strings, a client gone, a deadline).
     on_token: Callable[[int], bool] | None = None
+    namespace: str = ""     # whose stored prefixes the request may match and fill
 
 
 @dataclasses.dataclass

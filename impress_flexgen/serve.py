@@ -26,6 +26,7 @@ from typing import Any
 from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                   finite_float, int_range, run_main)
 from .errors import UserError
+from .serve_guard import DEFAULT_MAX_BODY_BYTES, ServerOptions
 
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256          # the chat default (OpenAI's runs to the context's end)
@@ -58,7 +59,7 @@ def _validation_message(exc) -> tuple[str, str | None]:
     return f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", field
 
 
-def create_app(service):
+def create_app(service, options: ServerOptions | None = None):
     """The FastAPI application serving `service` (a service.Service)."""
     from fastapi import FastAPI, Request
     from fastapi.concurrency import run_in_threadpool
@@ -67,14 +68,20 @@ def create_app(service):
     from pydantic import BaseModel, ConfigDict
     from starlette.exceptions import HTTPException
 
+    from .serve_guard import Guard, bearer_key, namespace
     from .service import ServiceError
 
+    options = options or ServerOptions()
     app = FastAPI(title="impress_flexgen", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, limit=options.max_body_bytes, api_keys=options.api_keys,
+                       on_refused=lambda: service.count("invalid"))
     name = service.model_name
 
     class Common(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        # Strict: "3" or true for max_tokens is a 400, never silently coerced.
+        model_config = ConfigDict(extra="ignore", strict=True)
         model: str
+        cache_salt: str | None = None
         max_tokens: int | None = None
         temperature: float | None = None
         top_p: float | None = None
@@ -137,13 +144,30 @@ def create_app(service):
                 raise ServiceError(400, f"{field} is not supported by this server",
                                    param=field)
 
-    async def build(body: Common, **prompt):
+    def tenant(body: Common, request: Request) -> str:
+        """The request's namespace: its API key's (checked by the guard) and cache salt's."""
+        if body.cache_salt is not None and not body.cache_salt:
+            raise ServiceError(400, "cache_salt must not be empty", param="cache_salt")
+        if body.cache_salt is not None:
+            try:
+                body.cache_salt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ServiceError(400, "cache_salt is not valid Unicode",
+                                   param="cache_salt") from None
+        key = bearer_key(request.headers) if options.api_keys else None
+        return namespace(key, body.cache_salt)
+
+    async def build(body: Common, request: Request, **prompt):
         try:
             refuse_unsupported(body)
-            return await run_in_threadpool(
+            ns = tenant(body, request)
+            # In a worker thread: tokenising a long prompt holds up no other request.
+            job = await run_in_threadpool(
                 service.frontend.build, **prompt,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=body.top_p, seed=body.seed, stop=body.stop)
+            job.namespace = ns
+            return job
         except ServiceError as exc:
             service.count("invalid")
             if exc.param == "prompt_ids":     # token ids arrive in OpenAI's prompt field
@@ -159,6 +183,8 @@ def create_app(service):
                 return fut.result()
             if await request.is_disconnected():
                 ticket.cancel()
+                # Nobody reads its outcome now: take it, so it is not logged as lost.
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return None
 
     def submit_streaming(job):
@@ -177,7 +203,13 @@ def create_app(service):
 
     def usage(done) -> dict:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.stats["cached_tokens"]}}
+
+    def extra(done) -> dict:
+        """The non-standard stats block, only where the operator asked for it: it tells
+        what the store held, which is not every client's business."""
+        return {"impress_flexgen": done.stats} if options.cache_stats else {}
 
     def stream(ticket, events, rid: str, created: int, chunk) -> StreamingResponse:
         """Server-sent events: `chunk(delta_text, finish_reason)` -> one event's object."""
@@ -203,7 +235,7 @@ def create_app(service):
                 else:
                     last = chunk("", done.finish_reason)
                     last["usage"] = usage(done)
-                    last["impress_flexgen"] = done.stats
+                    last.update(extra(done))
                     yield sse(last)
                 yield "data: [DONE]\n\n"
             finally:
@@ -227,7 +259,7 @@ def create_app(service):
             kw = {"prompt_ids": prompt}
         else:
             kw = {"prompt": prompt}
-        job = await build(body, **kw, max_tokens=body.max_tokens,
+        job = await build(body, request, **kw, max_tokens=body.max_tokens,
                           default_max_tokens=COMPLETION_MAX_TOKENS)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -247,13 +279,13 @@ def create_app(service):
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
                 "choices": [{"index": 0, "text": done.text, "logprobs": None,
                              "finish_reason": done.finish_reason}],
-                "usage": usage(done), "impress_flexgen": done.stats}
+                "usage": usage(done), **extra(done)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        job = await build(body, messages=body.messages, max_tokens=limit,
+        job = await build(body, request, messages=body.messages, max_tokens=limit,
                           default_max_tokens=CHAT_MAX_TOKENS)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -273,7 +305,7 @@ def create_app(service):
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
                              "logprobs": None, "finish_reason": done.finish_reason}],
-                "usage": usage(done), "impress_flexgen": done.stats}
+                "usage": usage(done), **extra(done)}
 
     @app.get("/v1/models")
     async def models():
@@ -314,21 +346,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(service, log_level: str, graceful_s: float | None):
+def _uvicorn_server(service, log_level: str, graceful_s: float | None,
+                   options: ServerOptions | None = None):
     import uvicorn
 
-    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False,
+    config = uvicorn.Config(create_app(service, options), log_level=log_level,
+                            access_log=False,
                             timeout_graceful_shutdown=graceful_s, lifespan="off")
     return uvicorn.Server(config)
 
 
 @contextlib.contextmanager
 def background_server(service, host: str = "127.0.0.1", port: int = 0,
-                      log_level: str = "warning", startup_s: float = 30.0):
+                      log_level: str = "warning", startup_s: float = 30.0,
+                      options: ServerOptions | None = None):
     """Serve `service` over HTTP from a background thread (tests, benchmarks); yields the
     base URL, e.g. http://127.0.0.1:PORT. The service stays open: close it yourself."""
     sock = bind(host, port)
-    server = _uvicorn_server(service, log_level, graceful_s=5)
+    server = _uvicorn_server(service, log_level, graceful_s=5, options=options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="http-server", daemon=True)
     thread.start()
@@ -364,9 +399,29 @@ def parse_args(argv):
                                      "with finish_reason timeout, or 504 if still queued (600)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info", help="the HTTP server's log level (info)")
+    s.add_argument("--max-body-bytes", type=int_range(1024), default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="N", help="largest request body taken; a larger one gets 413 "
+                                     f"({DEFAULT_MAX_BODY_BYTES})")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a client key (may be given several times): requests need "
+                        "'Authorization: Bearer KEY', and each key's stored prefixes are its "
+                        "own; without any, no key is asked for and clients share prefixes "
+                        "(unless they send a cache_salt)")
+    s.add_argument("--return-cache-stats", action="store_true",
+                   help="add the per-request block 'impress_flexgen' (matched tokens, plan, "
+                        "bytes read, timings) to responses; off by default, as it tells "
+                        "clients what the store held")
     args = p.parse_args(argv)
     check_serving_args(p, args, [args.policy])
+    if any(not k.strip() for k in args.api_key):
+        p.error("argument --api-key: a key must not be empty")
     return args
+
+
+def server_options(args) -> ServerOptions:
+    return ServerOptions(max_body_bytes=args.max_body_bytes,
+                         api_keys=tuple(k.strip() for k in args.api_key),
+                         cache_stats=args.return_cache_stats)
 
 
 def main(argv=None) -> int:
@@ -388,7 +443,8 @@ def main(argv=None) -> int:
         for warning in service.warnings:
             print(f"python -m impress_flexgen.serve: warning: {warning}", file=sys.stderr,
                   flush=True)
-        server = _uvicorn_server(service, args.log_level, graceful_s=args.timeout_s)
+        server = _uvicorn_server(service, args.log_level, graceful_s=args.timeout_s,
+                                 options=server_options(args))
         # Listening from now on: connections wait in the backlog while uvicorn starts.
         sock.listen(2048)
         host, port = sock.getsockname()[:2]

@@ -38,6 +38,7 @@ log = logging.getLogger("impress_flexgen.service")
 
 GB = 1 << 30
 MAX_STOP_STRINGS = 4   # as OpenAI's API
+MAX_STOP_CHARS = 256   # each; the stop check rescans this much text per token
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 120.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
@@ -213,6 +214,9 @@ class Job:
     stop: tuple[str, ...] = ()
     id: str = ""
     chunk_size: int = CHUNK_SIZE
+    # Whose stored prefixes this request may match and fill: "" is the shared default; an
+    # opaque string per API key and cache salt keeps tenants' prefixes apart.
+    namespace: str = ""
 
     def split(self) -> tuple[list[int], list[int]]:
         """(prefix, query): every whole chunk before the last token is prefix (matched and
@@ -224,28 +228,51 @@ class Job:
 
 class Frontend:
     """Turns what a user sends into a Job, or a ServiceError saying what is wrong. Needs only
-    the model's spec and tokenizer (a request file is checked before the model is built)."""
+    the model's spec and tokenizer (a request file is checked before the model is built).
+    Thread-safe without a lock: the tokenizer is only read, so requests tokenise in parallel
+    and a long prompt delays no other."""
 
     def __init__(self, spec, tokenizer, chunk_size: int = CHUNK_SIZE):
         self.spec = spec
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
-        self.lock = threading.Lock()       # one tokenizer, used by several threads
         eos = getattr(tokenizer.hf, "eos_token_id", None)
         self.stop_token_ids = (eos,) if isinstance(eos, int) and \
             0 <= eos < spec.config.vocab_size else ()
+        hf = tokenizer.hf
+        vocab = hf.get_vocab() if hasattr(hf, "get_vocab") else {}
+        # No token covers more characters than its longest vocabulary entry, so a text
+        # longer than that times the positions cannot fit: refused before tokenising.
+        self.chars_per_token_max = max(map(len, vocab), default=0) or 64
+        self.special_texts = tuple(t for t in getattr(hf, "all_special_tokens", ()) if t)
+        self._split = None         # a tokenizer that reads special-token text as text
 
     @property
     def max_positions(self) -> int:
         return self.spec.config.max_seq_len
 
+    @property
+    def max_chars(self) -> int:
+        return self.chars_per_token_max * self.max_positions
+
+    def check_text(self, text: str, param: str) -> None:
+        """A text fit to tokenise: valid Unicode, not longer than the positions allow."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ServiceError(400, f"{param} is not valid Unicode (a lone surrogate)",
+                               param=param) from None
+        if len(text) > self.max_chars:
+            raise ServiceError(400, f"{param} has {len(text)} characters, more than "
+                                    f"{self.spec.name}'s {self.max_positions} positions can "
+                                    f"hold (at most {self.chars_per_token_max} characters a "
+                                    "token)", param=param, code="context_length_exceeded")
+
     def encode(self, text: str) -> list[int]:
-        with self.lock:
-            return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids) -> str:
-        with self.lock:
-            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids)
 
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer.hf, "chat_template", None))
@@ -257,6 +284,7 @@ class Frontend:
         if not isinstance(messages, list) or not messages:
             raise ServiceError(400, "messages must be a non-empty list", param="messages")
         clean = []
+        chars = 0
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ServiceError(400, f"messages[{i}] must be an object with a role and "
@@ -274,15 +302,70 @@ class Frontend:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ServiceError(400, f"messages[{i}].role must be system, user or "
                                         f"assistant (got {m['role']!r})", param="messages")
+            chars += len(content)
+            self.check_text(content, "messages")
             clean.append({"role": m["role"], "content": content})
-        with self.lock:
-            try:
-                text = self.tokenizer.hf.apply_chat_template(clean, tokenize=False,
-                                                             add_generation_prompt=True)
-            except Exception as exc:  # noqa: BLE001 - a template's own complaint
-                raise ServiceError(400, f"the chat template refused these messages: {exc}",
-                                   param="messages") from None
-            return self.tokenizer.encode(text)
+        if chars > self.max_chars:
+            raise ServiceError(400, f"messages have {chars} characters, more than "
+                                    f"{self.spec.name}'s {self.max_positions} positions can "
+                                    "hold", param="messages", code="context_length_exceeded")
+        if any(t in m["content"] for m in clean for t in self.special_texts):
+            return self._chat_ids_split(clean)
+        text = self._render(clean)
+        return self.tokenizer.encode(text)
+
+    def _render(self, clean: list[dict]) -> str:
+        try:
+            return self.tokenizer.hf.apply_chat_template(clean, tokenize=False,
+                                                         add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template's own complaint
+            raise ServiceError(400, f"the chat template refused these messages: {exc}",
+                               param="messages") from None
+
+    def _chat_ids_split(self, clean: list[dict]) -> list[int]:
+        """Chat ids where only the template's own text can yield control tokens: each
+        message's content is rendered as a marker, and the content tokenised with special
+        tokens read as plain text (`<|im_start|>system` typed by a user stays text)."""
+        import re
+
+        marked = [{"role": m["role"], "content": f"\ue000{i}\ue001"}
+                  for i, m in enumerate(clean)]
+        parts = re.split("\ue000(\\d+)\ue001", self._render(marked))
+        found = [int(x) for x in parts[1::2]]
+        split = self._split_tokenizer()
+        if split is None or sorted(found) != list(range(len(clean))):
+            raise ServiceError(400, "message content holds the text of a control token "
+                                    "(such as " + repr(self.special_texts[0]) + "), which "
+                                    "this model's chat template cannot keep as text",
+                               param="messages")
+        ids = []
+        for k, piece in enumerate(parts):
+            if k % 2 == 0:
+                ids += self.tokenizer.encode(piece) if piece else []
+            else:
+                ids += self._fold(split.encode(clean[int(piece)]["content"],
+                                               add_special_tokens=False).ids)
+        return ids
+
+    def _split_tokenizer(self):
+        """A private copy of the fast tokenizer with special tokens split (never changed
+        after it is made, so threads share it); None where there is no fast tokenizer."""
+        if self._split is None:
+            backend = getattr(self.tokenizer.hf, "_tokenizer", None)
+            if backend is None or not hasattr(backend, "to_str"):
+                return None
+            from tokenizers import Tokenizer as Backend
+
+            split = Backend.from_str(backend.to_str())
+            split.no_truncation()
+            split.no_padding()
+            split.encode_special_tokens = True
+            self._split = split
+        return self._split
+
+    def _fold(self, ids: list[int]) -> list[int]:
+        tok = self.tokenizer
+        return [i % tok.vocab_size for i in ids] if getattr(tok, "folded", False) else ids
 
     def build(self, *, prompt=None, prompt_ids=None, messages=None, max_tokens=None,
               temperature=None, top_p=None, seed=None, stop=None, id=None,
@@ -303,6 +386,7 @@ class Frontend:
                 raise ServiceError(400, "prompt must be a string", param="prompt")
             if not prompt:
                 raise ServiceError(400, "the prompt is empty", param="prompt")
+            self.check_text(prompt, "prompt")
             ids = self.encode(prompt)
         else:
             if not isinstance(prompt_ids, list) or not all(
@@ -364,6 +448,15 @@ def stop_strings(stop) -> tuple[str, ...]:
                            param="stop")
     if any(s == "" for s in stops):
         raise ServiceError(400, "a stop string must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ServiceError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters",
+                           param="stop")
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ServiceError(400, "stop is not valid Unicode (a lone surrogate)",
+                               param="stop") from None
     return tuple(stops)
 
 
@@ -727,7 +820,8 @@ class Service:
         self._running = 1
         try:
             resp = self.engine.serve(Request(prefix, query, job.max_tokens,
-                                             sampling=job.sampling, on_token=on_token))
+                                             sampling=job.sampling, on_token=on_token,
+                                             namespace=job.namespace))
         except UserError as exc:
             self.count("invalid")
             raise ServiceError(400, str(exc)) from None
@@ -754,7 +848,10 @@ class Service:
                  "layers": st.layers if st.matched_tokens else 0,
                  "decode_s_per_token": st.decode_s_per_token,
                  "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
-                 "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens}
+                 "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens,
+                 # Prompt tokens whose KV was read (store or shared pool), not computed:
+                 # matched tokens a plan recomputed are not among them.
+                 "cached_tokens": max(0, len(job.ids) - st.computed_tokens)}
         self._observe(ticket, stats, len(tokens), reason)
         return Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens, reason,
                           len(job.ids), stats)
@@ -764,7 +861,7 @@ class Service:
         self.m_ttft.observe(stats["ttft_s"])
         self.m_prefill.observe(stats["engine_ttft_s"])
         self.m_latency.observe(stats["total_s"])
-        self.m_prompt.labels("matched").inc(stats["matched_tokens"])
+        self.m_prompt.labels("matched").inc(stats["cached_tokens"] - stats["shared_tokens"])
         self.m_prompt.labels("shared").inc(stats["shared_tokens"])
         self.m_prompt.labels("computed").inc(stats["computed_tokens"])
         if stats["plan"] is not None:

@@ -24,6 +24,7 @@ from impress_flexgen.engine import model_shape, open_store
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server
+from impress_flexgen.serve_guard import ServerOptions
 from impress_flexgen.service import (Service, ServiceConfig, ServiceError, TextStream,
                                      sampling_params)
 from impress_flexgen.serving import RunConfig
@@ -55,7 +56,7 @@ def server(runtime, tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")
     service = Service(ServiceConfig(model=MODEL, store_root=root, queue_size=8), runtime=runtime)
     try:
-        with background_server(service) as url:
+        with background_server(service, options=ServerOptions(cache_stats=True)) as url:
             yield url, service, root
     finally:
         service.close()
