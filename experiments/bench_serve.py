@@ -65,7 +65,8 @@ def run_policy(url: str, model: str, system: str, users: list[list[str]], client
                 try:
                     for chunk in api.chat.completions.create(
                             model=model, messages=history, max_tokens=max_tokens,
-                            temperature=0, stream=True):
+                            temperature=0, stream=True,
+                            stream_options={"include_usage": True}):
                         delta = chunk.choices[0].delta.content if chunk.choices else None
                         if delta:
                             first = first or time.perf_counter()

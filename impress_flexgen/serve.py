@@ -16,20 +16,18 @@ shared pool) and the store.
 # below from their annotations, and those models are local to create_app.
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import sys
 import threading
 import time
 import uuid
-from typing import Any
 
 from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                   finite_float, int_range, run_main)
 from .errors import UserError
 from .serve_guard import DEFAULT_MAX_BODY_BYTES, ServerOptions
 
-COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
-CHAT_MAX_TOKENS = 256          # the chat default (OpenAI's runs to the context's end)
 _END = object()
 
 
@@ -56,7 +54,25 @@ def _validation_message(exc) -> tuple[str, str | None]:
     field = loc[0] if loc else None
     if e.get("type") == "missing":
         return f"{'.'.join(loc)} is required", field
+    if e.get("type") == "extra_forbidden":
+        return f"{'.'.join(loc)} is not supported by this server", field
     return f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", field
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("impress_flexgen")
+    except metadata.PackageNotFoundError:   # run from a checkout
+        import tomllib
+        from pathlib import Path
+
+        try:
+            with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, ValueError):
+            return "unknown"
 
 
 def create_app(service, options: ServerOptions | None = None):
@@ -65,9 +81,11 @@ def create_app(service, options: ServerOptions | None = None):
     from fastapi.concurrency import run_in_threadpool
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from pydantic import BaseModel, ConfigDict
     from starlette.exceptions import HTTPException
 
+    from . import defaults
+    from .openai_api import (ChatBody, Common, CompletionBody, DetokenizeBody, TokenizeBody,
+                             chat_logprobs, completion_logprobs, refuse_unsupported, usage)
     from .serve_guard import Guard, bearer_key, namespace
     from .service import ServiceError
 
@@ -76,41 +94,13 @@ def create_app(service, options: ServerOptions | None = None):
     app.add_middleware(Guard, limit=options.max_body_bytes, api_keys=options.api_keys,
                        on_refused=lambda: service.count("invalid"))
     name = service.model_name
-
-    class Common(BaseModel):
-        # Strict: "3" or true for max_tokens is a 400, never silently coerced.
-        model_config = ConfigDict(extra="ignore", strict=True)
-        model: str
-        cache_salt: str | None = None
-        max_tokens: int | None = None
-        temperature: float | None = None
-        top_p: float | None = None
-        seed: int | None = None
-        stop: str | list[str] | None = None
-        stream: bool | None = False
-        stream_options: dict | None = None
-        n: int | None = None
-        # Refused unless left at their defaults: not implemented here.
-        best_of: int | None = None
-        echo: bool | None = None
-        logprobs: Any = None
-        top_logprobs: int | None = None
-        suffix: str | None = None
-        presence_penalty: float | None = None
-        frequency_penalty: float | None = None
-        logit_bias: dict | None = None
-        tools: list | None = None
-
-    class CompletionBody(Common):
-        prompt: str | list[int] | list[str] | list[list[int]]
-
-    class ChatBody(Common):
-        messages: list[Any]
-        max_completion_tokens: int | None = None
+    frontend = service.frontend
 
     @app.exception_handler(ServiceError)
     async def service_error(request, exc: ServiceError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # A full queue: come back in a second (the engine serves a request in about that).
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
@@ -126,23 +116,10 @@ def create_app(service, options: ServerOptions | None = None):
     async def internal_error(request, exc):
         return _error(500, f"internal error: {type(exc).__name__}")
 
-    def refuse_unsupported(body: Common) -> None:
-        if body.model != name:
-            raise ServiceError(404, f"model {body.model!r} is not served here; this server "
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
+            raise ServiceError(404, f"model {model!r} is not served here; this server "
                                     f"serves {name!r}", param="model", code="model_not_found")
-        if body.n not in (None, 1):
-            raise ServiceError(400, "n must be 1: one choice per request", param="n")
-        unsupported = {
-            "best_of": body.best_of not in (None, 1), "echo": bool(body.echo),
-            "logprobs": body.logprobs not in (None, False),
-            "top_logprobs": body.top_logprobs not in (None, 0),
-            "suffix": bool(body.suffix), "presence_penalty": bool(body.presence_penalty),
-            "frequency_penalty": bool(body.frequency_penalty),
-            "logit_bias": bool(body.logit_bias), "tools": bool(body.tools)}
-        for field, used in unsupported.items():
-            if used:
-                raise ServiceError(400, f"{field} is not supported by this server",
-                                   param=field)
 
     def tenant(body: Common, request: Request) -> str:
         """The request's namespace: its API key's (checked by the guard) and cache salt's."""
@@ -157,90 +134,127 @@ def create_app(service, options: ServerOptions | None = None):
         key = bearer_key(request.headers) if options.api_keys else None
         return namespace(key, body.cache_salt)
 
-    async def build(body: Common, request: Request, **prompt):
+    async def build(body: Common, request: Request, **prompt) -> list:
+        """The request's jobs, one per choice (n): tokenised once, seeds apart."""
         try:
+            check_model(body.model)
             refuse_unsupported(body)
             ns = tenant(body, request)
             # In a worker thread: tokenising a long prompt holds up no other request.
             job = await run_in_threadpool(
-                service.frontend.build, **prompt,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=body.top_p, seed=body.seed, stop=body.stop)
-            job.namespace = ns
-            return job
+                frontend.build, **prompt, default_max_tokens=defaults.MAX_TOKENS,
+                temperature=defaults.TEMPERATURE if body.temperature is None
+                else body.temperature,
+                top_p=defaults.TOP_P if body.top_p is None else body.top_p, seed=body.seed,
+                stop=body.stop, top_k=body.top_k, min_p=body.min_p,
+                min_tokens=body.min_tokens, ignore_eos=bool(body.ignore_eos),
+                stop_token_ids=body.stop_token_ids)
         except ServiceError as exc:
             service.count("invalid")
             if exc.param == "prompt_ids":     # token ids arrive in OpenAI's prompt field
                 exc.param = "prompt"
             raise
+        job.namespace = ns
+        jobs = [job]
+        for i in range(1, body.n or 1):
+            seed = None if job.sampling.seed is None else job.sampling.seed + i
+            jobs.append(dataclasses.replace(
+                job, sampling=dataclasses.replace(job.sampling, seed=seed)))
+        return jobs
 
-    async def wait(ticket, request: Request):
-        """The completion, or None if the client went away first (the job is cancelled)."""
-        fut = asyncio.wrap_future(ticket.future)
+    def submit(jobs, listeners=None) -> list:
+        """Queue every choice, or none (429 for all if the queue fills part-way)."""
+        tickets = []
+        try:
+            for i, job in enumerate(jobs):
+                tickets.append(service.submit(job, listener=listeners[i] if listeners
+                                              else None))
+        except ServiceError:
+            for t in tickets:
+                t.cancel()
+            raise
+        return tickets
+
+    async def wait(tickets, request: Request):
+        """The completions, or None if the client went away first (the jobs are cancelled)."""
+        futs = [asyncio.wrap_future(t.future) for t in tickets]
         while True:
-            done, _ = await asyncio.wait({fut}, timeout=0.25)
-            if done:
-                return fut.result()
+            done, pending = await asyncio.wait(futs, timeout=0.25)
+            if not pending:
+                return [f.result() for f in futs]
             if await request.is_disconnected():
-                ticket.cancel()
-                # Nobody reads its outcome now: take it, so it is not logged as lost.
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                for t in tickets:
+                    t.cancel()
+                # Nobody reads their outcome now: take it, so it is not logged as lost.
+                for f in futs:
+                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return None
 
-    def submit_streaming(job):
+    def extra(dones) -> dict:
+        """The non-standard stats block, only where the operator asked for it: it tells
+        what the store held, which is not every client's business."""
+        return {"impress_flexgen": dones[0].stats} if options.cache_stats else {}
+
+    def piece(token: int) -> str:
+        return frontend.decode([token])
+
+    def stream(jobs, body: Common, rid: str, created: int, chunk) -> StreamingResponse:
+        """Server-sent events for every choice: `chunk(index, delta_text, finish_reason)`
+        -> one event's object; with stream_options.include_usage a last event with no
+        choices carries the usage (OpenAI's rule), otherwise no event does."""
+        import json
+
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def push(item) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:   # the event loop is gone: nobody is listening
-                pass
+        def pusher(i):
+            def push(item) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, item))
+                except RuntimeError:   # the event loop is gone: nobody is listening
+                    pass
+            return push
 
-        ticket = service.submit(job, listener=push)
-        ticket.future.add_done_callback(lambda _: push(_END))
-        return ticket, events
-
-    def usage(done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.stats["cached_tokens"]}}
-
-    def extra(done) -> dict:
-        """The non-standard stats block, only where the operator asked for it: it tells
-        what the store held, which is not every client's business."""
-        return {"impress_flexgen": done.stats} if options.cache_stats else {}
-
-    def stream(ticket, events, rid: str, created: int, chunk) -> StreamingResponse:
-        """Server-sent events: `chunk(delta_text, finish_reason)` -> one event's object."""
-        import json
+        listeners = [pusher(i) for i in range(len(jobs))]
+        tickets = submit(jobs, listeners)
+        for i, t in enumerate(tickets):
+            t.future.add_done_callback(lambda _, push=listeners[i]: push(_END))
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         async def gen():
             try:
-                first = chunk(None, None)
-                if first is not None:
-                    yield sse(first)
-                while True:
-                    item = await events.get()
-                    if item is _END:
-                        break
-                    yield sse(chunk(item, None))
-                try:
-                    done = ticket.future.result()
-                except ServiceError as exc:
-                    yield sse(exc.body())
-                else:
-                    last = chunk("", done.finish_reason)
-                    last["usage"] = usage(done)
-                    last.update(extra(done))
+                for i in range(len(jobs)):
+                    first = chunk(i, None, None)
+                    if first is not None:
+                        yield sse(first)
+                left, dones = len(tickets), [None] * len(tickets)
+                while left:
+                    i, item = await events.get()
+                    if item is not _END:
+                        yield sse(chunk(i, item, None))
+                        continue
+                    left -= 1
+                    try:
+                        dones[i] = tickets[i].future.result()
+                    except ServiceError as exc:
+                        yield sse(exc.body())
+                        continue
+                    last = chunk(i, "", dones[i].finish_reason)
+                    if i == 0 and not include_usage:
+                        last.update(extra(dones))
                     yield sse(last)
+                if include_usage and all(dones):
+                    yield sse({"id": rid, "object": chunk(0, "", None)["object"],
+                               "created": created, "model": name, "choices": [],
+                               "usage": usage(dones), **extra(dones)})
                 yield "data: [DONE]\n\n"
             finally:
-                if not ticket.future.done():
-                    ticket.cancel()     # the client went away mid-stream
+                for t in tickets:
+                    if not t.future.done():
+                        t.cancel()     # the client went away mid-stream
 
         return StreamingResponse(gen(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",
@@ -255,63 +269,100 @@ def create_app(service, options: ServerOptions | None = None):
                 raise ServiceError(400, "one prompt per request (got a list of "
                                         f"{len(prompt)})", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, list):
-            kw = {"prompt_ids": prompt}
-        else:
-            kw = {"prompt": prompt}
-        job = await build(body, request, **kw, max_tokens=body.max_tokens,
-                          default_max_tokens=COMPLETION_MAX_TOKENS)
+        kw = {"prompt_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+        scored = bool(body.echo) and body.logprobs is not None
+        jobs = await build(body, request, **kw, max_tokens=body.max_tokens,
+                           logprobs=body.logprobs, prompt_logprobs=scored)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def chunk(text, finish):
+        def chunk(i, text, finish):
             if text is None:
                 return None
             return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                    "choices": [{"index": i, "text": text, "logprobs": None,
                                  "finish_reason": finish}]}
 
         if body.stream:
-            ticket, events = submit_streaming(job)
-            return stream(ticket, events, rid, created, chunk)
-        done = await wait(service.submit(job), request)
-        if done is None:
+            return stream(jobs, body, rid, created, chunk)
+        dones = await wait(submit(jobs), request)
+        if dones is None:
             return Response(status_code=499)
+        echoed = ""
+        if body.echo:
+            echoed = prompt if isinstance(prompt, str) else \
+                await run_in_threadpool(frontend.decode, jobs[0].ids)
+        choices = [{"index": i, "text": echoed + d.text,
+                    "logprobs": None if body.logprobs is None else completion_logprobs(
+                        piece, jobs[0].ids, d, body.logprobs),
+                    "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": done.text, "logprobs": None,
-                             "finish_reason": done.finish_reason}],
-                "usage": usage(done), **extra(done)}
+                "choices": choices, "usage": usage(dones), **extra(dones)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        job = await build(body, request, messages=body.messages, max_tokens=limit,
-                          default_max_tokens=CHAT_MAX_TOKENS)
+        top = body.top_logprobs or 0
+        jobs = await build(body, request, messages=body.messages, max_tokens=limit,
+                           logprobs=top if body.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def chunk(text, finish):
+        def chunk(i, text, finish):
             delta = {"role": "assistant", "content": ""} if text is None else \
                 ({"content": text} if text else {})
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": name, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                    "model": name, "choices": [{"index": i, "delta": delta, "logprobs": None,
                                                 "finish_reason": finish}]}
 
         if body.stream:
-            ticket, events = submit_streaming(job)
-            return stream(ticket, events, rid, created, chunk)
-        done = await wait(service.submit(job), request)
-        if done is None:
+            return stream(jobs, body, rid, created, chunk)
+        dones = await wait(submit(jobs), request)
+        if dones is None:
             return Response(status_code=499)
+        choices = [{"index": i, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": chat_logprobs(piece, d, top) if body.logprobs else None,
+                    "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "logprobs": None, "finish_reason": done.finish_reason}],
-                "usage": usage(done), **extra(done)}
+                "choices": choices, "usage": usage(dones), **extra(dones)}
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": service.created,
+                "owned_by": "impress_flexgen", "max_model_len": frontend.max_positions}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model",
-                                            "created": service.created,
-                                            "owned_by": "impress_flexgen"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ServiceError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = await run_in_threadpool(frontend.chat_ids, body.messages)
+        else:
+            frontend.check_text(body.prompt, "prompt")
+            ids = await run_in_threadpool(frontend.encode, body.prompt)
+        return {"count": len(ids), "max_model_len": frontend.max_positions, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        check_model(body.model)
+        vocab = service.rt.spec.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ServiceError(400, f"token id {bad[0]} is outside the vocabulary "
+                                    f"(0..{vocab - 1})", param="tokens")
+        return {"prompt": await run_in_threadpool(frontend.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/health")
     async def health():
@@ -387,6 +438,12 @@ def parse_args(argv):
                                    "persistent multi-tier prefix KV store.")
     add_model_args(p, default_model="smollm2-135m")
     add_serving_args(p, "default 256 MiB", "default 1 GiB")
+    # Exact by default: an answer never depends on whether its prefix was stored. The
+    # selective policies (impress and the rest) trade accuracy for bytes and are opt-in.
+    policy = p._option_string_actions["--policy"]
+    policy.default = "full"
+    policy.help = policy.help.split("(default")[0].rstrip("; ") + \
+        "; default full (exact: the whole stored KV, through the tiers and the planner)"
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int_range(0, 65535), default=8000,

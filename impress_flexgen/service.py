@@ -39,6 +39,7 @@ log = logging.getLogger("impress_flexgen.service")
 GB = 1 << 30
 MAX_STOP_STRINGS = 4   # as OpenAI's API
 MAX_STOP_CHARS = 256   # each; the stop check rescans this much text per token
+MAX_LOGPROBS = 20      # top log-probabilities per token, as vLLM's default limit
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 120.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
@@ -97,7 +98,7 @@ def _default_runtime():
 def _default_run():
     from .serving import RunConfig
 
-    return RunConfig("impress", "impress")
+    return RunConfig("full", "full")     # exact: answers never depend on a cache hit
 
 
 def _default_tiers():
@@ -217,10 +218,17 @@ class Job:
     # Whose stored prefixes this request may match and fill: "" is the shared default; an
     # opaque string per API key and cache salt keeps tenants' prefixes apart.
     namespace: str = ""
+    logprobs: int | None = None     # per generated token: its log-probability and the top k
+    prompt_logprobs: bool = False   # the prompt's own log-probabilities (computed whole)
+    min_tokens: int = 0             # no stop string before this many tokens
 
     def split(self) -> tuple[list[int], list[int]]:
         """(prefix, query): every whole chunk before the last token is prefix (matched and
-        stored); a prompt shorter than a chunk keeps all but its last token as prefix."""
+        stored); a prompt shorter than a chunk keeps all but its last token as prefix. The
+        prompt's log-probabilities need logits at every prompt position: the whole prompt
+        is then the query, computed."""
+        if self.prompt_logprobs:
+            return [], list(self.ids)
         c = self.chunk_size
         cut = (len(self.ids) - 1) // c * c or len(self.ids) - 1
         return self.ids[:cut], self.ids[cut:]
@@ -369,10 +377,13 @@ class Frontend:
 
     def build(self, *, prompt=None, prompt_ids=None, messages=None, max_tokens=None,
               temperature=None, top_p=None, seed=None, stop=None, id=None,
-              default_max_tokens: int = 16) -> Job:
+              default_max_tokens: int = 16, top_k=None, min_p=None, min_tokens=None,
+              ignore_eos=False, stop_token_ids=None, logprobs=None,
+              prompt_logprobs=False) -> Job:
         """Exactly one of prompt (text), prompt_ids and messages. Unset sampling fields mean
         greedy decoding; max_tokens defaults to `default_max_tokens` (less if the model's
-        positions run out)."""
+        positions run out); 0 only with prompt_logprobs (the prompt is scored, nothing
+        generated)."""
         given = [name for name, v in (("prompt", prompt), ("prompt_ids", prompt_ids),
                                       ("messages", messages)) if v is not None]
         if len(given) != 1:
@@ -408,21 +419,59 @@ class Frontend:
                                code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(default_max_tokens, limit - len(ids))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ServiceError(400, f"max_tokens must be an integer of at least 1 (got "
-                                    f"{max_tokens!r})", param="max_tokens")
+        least = 0 if prompt_logprobs else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or \
+                max_tokens < least:
+            why = "" if least == 0 else " (0 only to score the prompt: echo with logprobs)"
+            raise ServiceError(400, f"max_tokens must be an integer of at least {least} (got "
+                                    f"{max_tokens!r}){why}", param="max_tokens")
         if len(ids) + max_tokens > limit:
             raise ServiceError(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} need "
                                     f"{len(ids) + max_tokens} positions, more than "
                                     f"{self.spec.name}'s {limit}", param="max_tokens",
                                code="context_length_exceeded")
-        return Job(ids, max_tokens, sampling_params(temperature, top_p, seed,
-                                                   self.stop_token_ids),
-                   stop_strings(stop), id or "", self.chunk_size)
+        stops = self._stop_token_ids(stop_token_ids, ignore_eos)
+        params = sampling_params(temperature, top_p, seed, stops, top_k=top_k, min_p=min_p,
+                                 min_tokens=min_tokens)
+        if params.min_tokens > max_tokens:
+            raise ServiceError(400, f"min_tokens ({params.min_tokens}) is more than max_tokens "
+                                    f"({max_tokens})", param="min_tokens")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
+                logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ServiceError(400, f"logprobs must be an integer from 0 to {MAX_LOGPROBS} "
+                                    f"(got {logprobs!r})", param="logprobs")
+        return Job(ids, max_tokens, params, stop_strings(stop), id or "", self.chunk_size,
+                   logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs),
+                   min_tokens=params.min_tokens)
+
+    def _stop_token_ids(self, extra, ignore_eos: bool) -> tuple[int, ...]:
+        """The end-of-sequence token (unless ignored) and the request's own stop tokens."""
+        ids = [] if ignore_eos else list(self.stop_token_ids)
+        if extra is not None:
+            vocab = self.spec.config.vocab_size
+            if not isinstance(extra, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                    for t in extra):
+                raise ServiceError(400, f"stop_token_ids must be a list of token ids "
+                                        f"(0..{vocab - 1})", param="stop_token_ids")
+            ids += [t for t in extra if t not in ids]
+        return tuple(ids)
 
 
-def sampling_params(temperature=None, top_p=None, seed=None, stop_token_ids=()) -> SamplingParams:
+def sampling_params(temperature=None, top_p=None, seed=None, stop_token_ids=(), *,
+                    top_k=None, min_p=None, min_tokens=None) -> SamplingParams:
     """SamplingParams from user values (None: greedy, whole distribution, no seed)."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < -1):
+        raise ServiceError(400, f"top_k must be an integer, -1 or 0 for all (got {top_k!r})",
+                           param="top_k")
+    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float))
+                              or not 0 <= min_p <= 1):
+        raise ServiceError(400, f"min_p must be in [0, 1] (got {min_p!r})", param="min_p")
+    if min_tokens is not None and (isinstance(min_tokens, bool) or not isinstance(
+            min_tokens, int) or min_tokens < 0):
+        raise ServiceError(400, f"min_tokens must be an integer >= 0 (got {min_tokens!r})",
+                           param="min_tokens")
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ServiceError(400, f"{name} must be a number (got {value!r})", param=name)
@@ -434,7 +483,8 @@ def sampling_params(temperature=None, top_p=None, seed=None, stop_token_ids=()) 
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ServiceError(400, f"seed must be an integer (got {seed!r})", param="seed")
     return SamplingParams(float(temperature or 0.0), float(1.0 if top_p is None else top_p),
-                          seed, tuple(stop_token_ids))
+                          seed, tuple(stop_token_ids), top_k=max(0, top_k or 0),
+                          min_p=float(min_p or 0.0), min_tokens=min_tokens or 0)
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -461,16 +511,33 @@ def stop_strings(stop) -> tuple[str, ...]:
 
 
 # -- text out ----------------------------------------------------------------------------------
+def token_logprobs(logits, tokens: list[int], top: int) -> list[tuple]:
+    """(token, log-probability, [(token, log-probability)] of the `top` likeliest) for each
+    token under the logits row that predicted it (the model's own distribution)."""
+    import torch
+
+    out = []
+    for row, token in zip(logits, tokens):
+        lp = torch.log_softmax(row.double(), dim=-1)
+        best = lp.topk(top) if top else None
+        out.append((int(token), float(lp[token]),
+                    [] if best is None else list(zip(best.indices.tolist(),
+                                                     best.values.tolist()))))
+    return out
+
+
 class TextStream:
     """Incremental detokenization with stop strings. push(token) returns False once a stop
     string has appeared (the text ends before it). Text that could still turn out to be the
-    start of a stop string, or half of a multi-byte character, is held back until it cannot."""
+    start of a stop string, or half of a multi-byte character, is held back until it cannot.
+    Before `min_tokens` tokens no stop string counts."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
-                 emit: Callable[[str], None] | None = None):
+                 emit: Callable[[str], None] | None = None, min_tokens: int = 0):
         self.decode = decode
         self.stop = stop
         self.emit = emit
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""           # the final text so far (what has been or will be emitted)
         self.sent = ""           # what emit() has had
@@ -481,7 +548,7 @@ class TextStream:
             return False
         self.ids.append(token)
         text = self.decode(self.ids)
-        if self.stop:
+        if self.stop and len(self.ids) >= self.min_tokens:
             start = max(0, len(self.sent) - max(map(len, self.stop)))
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
@@ -527,6 +594,8 @@ class Completion:
     finish_reason: str            # stop, length, timeout or cancelled
     prompt_tokens: int
     stats: dict
+    logprobs: list | None = None          # token_logprobs() of the generated tokens
+    prompt_logprobs: list | None = None   # None, then token_logprobs() of the prompt's rest
 
     @property
     def completion_tokens(self) -> int:
@@ -800,11 +869,13 @@ class Service:
             raise ServiceError(504, f"the request waited longer than the "
                                     f"{self.config.timeout_s:g} s timeout", code="timeout",
                                kind="timeout_error")
-        stream = TextStream(self.frontend.decode, job.stop, ticket.listener)
+        stream = TextStream(self.frontend.decode, job.stop, ticket.listener, job.min_tokens)
         ended = {}                  # why generation ended early, and when the first token came
 
         def on_token(token: int) -> bool:
             ended.setdefault("first", time.monotonic())
+            if job.max_tokens == 0:     # the prompt scored; the one token made is dropped
+                return False
             if not stream.push(token):
                 ended["reason"] = "stop"
                 return False
@@ -819,17 +890,18 @@ class Service:
         prefix, query = job.split()
         self._running = 1
         try:
-            resp = self.engine.serve(Request(prefix, query, job.max_tokens,
+            resp = self.engine.serve(Request(prefix, query, max(1, job.max_tokens),
                                              sampling=job.sampling, on_token=on_token,
-                                             namespace=job.namespace))
+                                             namespace=job.namespace),
+                                     query_logits=job.prompt_logprobs)
         except UserError as exc:
             self.count("invalid")
             raise ServiceError(400, str(exc)) from None
         finally:
             self._running = 0
         done = time.monotonic()
-        tokens = list(resp.tokens)
-        reason = ended.get("reason")
+        tokens = list(resp.tokens)[:job.max_tokens]
+        reason = ended.get("reason") if job.max_tokens else "length"
         if reason is None:
             if tokens and tokens[-1] in job.sampling.stop_token_ids:
                 reason = "stop"
@@ -853,8 +925,14 @@ class Service:
                  # matched tokens a plan recomputed are not among them.
                  "cached_tokens": max(0, len(job.ids) - st.computed_tokens)}
         self._observe(ticket, stats, len(tokens), reason)
-        return Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens, reason,
-                          len(job.ids), stats)
+        completion = Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens,
+                                reason, len(job.ids), stats)
+        if job.logprobs is not None:
+            completion.logprobs = token_logprobs(resp.step_logits, tokens, job.logprobs)
+        if job.prompt_logprobs:
+            completion.prompt_logprobs = [None] + token_logprobs(
+                resp.query_logits[:-1], job.ids[1:], job.logprobs or 0)
+        return completion
 
     def _observe(self, ticket: Ticket, stats: dict, n_tokens: int, reason: str) -> None:
         self.count({"cancelled": "cancelled", "timeout": "timeout"}.get(reason, "ok"))

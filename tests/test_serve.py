@@ -181,7 +181,7 @@ def test_a_shared_prefix_is_read_from_the_store(server):
     ({"prompt": "Hello there", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "Hello there", "top_p": 0}, 400, "top_p"),
     ({"prompt": "Hello there", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "Hello there", "n": 2}, 400, "n"),
+    ({"prompt": "Hello there", "n": 17}, 400, "n"),
     ({"prompt": "Hello there", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": [1, 999999]}, 400, "prompt"),
     ({"prompt": ["one", "two"]}, 400, "prompt"),
@@ -368,6 +368,7 @@ def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, 
         elapsed = time.monotonic() - t0
         after = _metrics(url)
         store_dir = service.store_dir
+        run_cfg = service.config.run
     kinds = [k for k, _ in outcomes]
     assert len(outcomes) == 200 and set(kinds) <= {"ok", "429"}, \
         [o for o in outcomes if o[0] == "failed"][:3]
@@ -379,10 +380,10 @@ def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, 
              for o in ("ok", "rejected")}
     assert delta == {"ok": kinds.count("ok"), "rejected": kinds.count("429")}
     # Reopened after a clean close: every stored node reads back, CRCs checked.
-    run_cfg = RunConfig("impress", "impress")
     shape = model_shape(runtime.spec)
     with open_store(store_dir, runtime, run_cfg.serving(),
-                    make_policy("impress", run_cfg.serving()), **run_cfg.store_options()) as store:
+                    make_policy(run_cfg.policy, run_cfg.serving()),
+                    **run_cfg.store_options()) as store:
         assert len(store.tree) > 0
         tok = runtime.tokenizer
         for p in prompts:
@@ -419,14 +420,15 @@ def test_sigterm_drains_in_flight_requests_and_the_next_server_reuses_the_store(
         prompt = SYSTEM + " What happened next?"
         with httpx2.stream("POST", url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0,
-                "stream": True}) as r:
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)     # mid-answer
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         final = json.loads(rest[-2][len("data: "):])
-        assert final["choices"][0]["finish_reason"] == "length"
+        last = json.loads(rest[-3][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length" and final["choices"] == []
         assert final["usage"]["completion_tokens"] == 400 and first
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
