@@ -133,3 +133,39 @@ def usage(dones) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": dones[0].stats["cached_tokens"]}}
+
+
+def validation_message(exc) -> tuple[str, str | None]:
+    """One line (and the offending field) from FastAPI's validation errors."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        why = (e.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON{': ' + why if why else ''}", None
+    if not loc:   # the body itself: missing, or not an object
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    field = loc[0] if loc else None
+    if e.get("type") == "missing":
+        return f"{'.'.join(loc)} is required", field
+    if e.get("type") == "extra_forbidden":
+        return f"{'.'.join(loc)} is not supported by this server", field
+    return f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", field
+
+
+def package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("impress_flexgen")
+    except metadata.PackageNotFoundError:   # run from a checkout
+        import tomllib
+        from pathlib import Path
+
+        try:
+            with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, ValueError):
+            return "unknown"

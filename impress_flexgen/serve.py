@@ -5,15 +5,18 @@
          -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
 
 POST /v1/completions and /v1/chat/completions (with "stream": true as server-sent events),
-GET /v1/models, /health and /metrics (Prometheus). Every full chunk of every prompt is
-matched against and inserted into the store (service.py), so a shared system prompt or a
-growing conversation is read back instead of recomputed, also by a later server on the same
---store-dir. Errors are OpenAI's error bodies with a 4xx status; a full queue is 429.
-SIGTERM stops accepting, lets requests in flight finish, then closes the engine (and its
-shared pool) and the store.
+as vLLM serves them (logprobs, echo with prompt log-probabilities, n, top_k, min_p, ...; an
+unknown field is a 400), GET /v1/models[/{id}], POST /tokenize and /detokenize, GET /version,
+/health and /metrics (Prometheus). Every full chunk of every prompt is matched against and
+inserted into the store (service.py), so a shared system prompt or a growing conversation is
+read back instead of recomputed, also by a later server on the same --store-dir. The default
+policy is exact (full). Errors are OpenAI's error bodies with a 4xx status; a full queue is
+429 with Retry-After. Bodies are limited and API keys checked before a route runs
+(serve_guard.py). SIGTERM stops accepting, lets requests in flight finish, then closes the
+engine (and its shared pool) and the store.
 """
 # No `from __future__ import annotations`: FastAPI reads the request models of the routes
-# below from their annotations, and those models are local to create_app.
+# below from their annotations.
 import asyncio
 import contextlib
 import dataclasses
@@ -39,42 +42,6 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return JSONResponse(ServiceError(status, message, param, code).body(), status_code=status)
 
 
-def _validation_message(exc) -> tuple[str, str | None]:
-    """One line (and the offending field) from FastAPI's validation errors."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    if e.get("type") == "json_invalid":
-        why = (e.get("ctx") or {}).get("error", "")
-        return f"the request body is not valid JSON{': ' + why if why else ''}", None
-    if not loc:   # the body itself: missing, or not an object
-        return "the request body must be a JSON object (Content-Type: application/json)", None
-    field = loc[0] if loc else None
-    if e.get("type") == "missing":
-        return f"{'.'.join(loc)} is required", field
-    if e.get("type") == "extra_forbidden":
-        return f"{'.'.join(loc)} is not supported by this server", field
-    return f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", field
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("impress_flexgen")
-    except metadata.PackageNotFoundError:   # run from a checkout
-        import tomllib
-        from pathlib import Path
-
-        try:
-            with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
-                return tomllib.load(f)["project"]["version"]
-        except (OSError, KeyError, ValueError):
-            return "unknown"
-
-
 def create_app(service, options: ServerOptions | None = None):
     """The FastAPI application serving `service` (a service.Service)."""
     from fastapi import FastAPI, Request
@@ -85,7 +52,8 @@ def create_app(service, options: ServerOptions | None = None):
 
     from . import defaults
     from .openai_api import (ChatBody, Common, CompletionBody, DetokenizeBody, TokenizeBody,
-                             chat_logprobs, completion_logprobs, refuse_unsupported, usage)
+                             chat_logprobs, completion_logprobs, package_version,
+                             refuse_unsupported, usage, validation_message)
     from .serve_guard import Guard, bearer_key, namespace
     from .service import ServiceError
 
@@ -105,7 +73,7 @@ def create_app(service, options: ServerOptions | None = None):
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
         service.count("invalid")
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return _error(400, message, param)
 
     @app.exception_handler(HTTPException)
@@ -362,7 +330,7 @@ def create_app(service, options: ServerOptions | None = None):
 
     @app.get("/version")
     async def version():
-        return {"version": _version()}
+        return {"version": package_version()}
 
     @app.get("/health")
     async def health():
