@@ -201,3 +201,32 @@ def test_exact_by_default_stored_prefix_changes_no_greedy_output(runtime, tmp_pa
     assert after.usage.prompt_tokens_details.cached_tokens > 0
     assert after.choices[0].message.content == before.choices[0].message.content
     assert after.usage.completion_tokens == 12
+
+
+def test_lm_eval_local_completions_request_shapes(server, runtime):
+    """What lm-evaluation-harness's local-completions sends (token ids, batch of one) and how
+    it reads the answer: the continuation's log-likelihood and whether it is greedy."""
+    url, service = server
+    context = service.frontend.encode(TEXT)
+    continuation = service.frontend.encode(" and so it was")
+    payload = {"model": MODEL, "prompt": [context + continuation], "temperature": 0,
+               "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    out = httpx2.post(url + "/v1/completions", json=payload, timeout=60).json()
+    choice = sorted(out["choices"], key=lambda c: c["index"])[0]
+    lps = choice["logprobs"]["token_logprobs"][len(context):-1]
+    tops = choice["logprobs"]["top_logprobs"][len(context):-1]
+    assert len(lps) == len(continuation)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(context + continuation) + 1
+    greedy = all(lp == max(top.values()) for lp, top in zip(lps, tops))
+    ids = context + continuation
+    engine = Engine(runtime, None, make_policy("recomp"))
+    ref = torch.log_softmax(engine.serve(Request([], ids, 1), query_logits=True)
+                            .query_logits.double(), -1)
+    rows = torch.arange(len(context) - 1, len(ids) - 1)
+    want = ref[rows, torch.tensor(continuation)]
+    assert sum(lps) == pytest.approx(float(want.sum()), abs=1e-3)
+    assert greedy == bool((ref[rows].argmax(-1) == torch.tensor(continuation)).all())
+    gen = {"model": MODEL, "prompt": [context], "max_tokens": 4, "temperature": 0,
+           "stop": ["\n\n", "<|endoftext|>"], "seed": 1234}
+    out = httpx2.post(url + "/v1/completions", json=gen, timeout=60).json()
+    assert isinstance(out["choices"][0]["text"], str)
