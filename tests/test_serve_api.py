@@ -230,3 +230,18 @@ def test_lm_eval_local_completions_request_shapes(server, runtime):
            "stop": ["\n\n", "<|endoftext|>"], "seed": 1234}
     out = httpx2.post(url + "/v1/completions", json=gen, timeout=60).json()
     assert isinstance(out["choices"][0]["text"], str)
+
+
+def test_metrics_count_matched_tokens_only_when_loaded(runtime, tmp_path):
+    from impress_flexgen.serving import RunConfig
+
+    config = ServiceConfig(model=MODEL, store_root=tmp_path,
+                           run=RunConfig("full", "full", plan="recompute"))
+    prompt = list(range(300, 300 + 64)) + [5]
+    with Service(config, runtime=runtime) as service, background_server(service) as url:
+        for _ in range(2):
+            done = service.complete(service.frontend.build(prompt_ids=prompt, max_tokens=1))
+        text = httpx2.get(url + "/metrics", timeout=10).text
+    assert done.stats["matched_tokens"] == 64 and done.stats["cached_tokens"] == 0
+    assert 'impress_flexgen_prompt_tokens_total{source="matched"} 0.0' in text
+    assert 'impress_flexgen_prompt_tokens_total{source="computed"} 130.0' in text
