@@ -36,7 +36,7 @@ def test_a_request_file_is_served_in_order_through_the_store(tmp_path, capsys):
         {"messages": [{"role": "user", "content": "Name a novel."}], "temperature": 0.7,
          "seed": 1, "max_tokens": 2},
         "",                                               # blank lines are skipped
-        {"prompt_ids": [17, 18, 19, 20, 21], "id": 7},
+        {"prompt_ids": [17, 18, 19, 20, 21], "id": 7, "temperature": 0},
         {"id": "again", "prompt": BOOK + " Mrs. Bennet replied"},
     ])
     lines = _run(tmp_path, requests, "--max-new-tokens", "4")
