@@ -424,6 +424,9 @@ def serve_requests(rt, config, args, requests, results, todo: int) -> int:
                 print(line)
             for warning in service.warnings:
                 print(f"python -m impress_flexgen.run: warning: {warning}", file=sys.stderr)
+            # The service's frontend from here on: one tokenizer, used under one lock by
+            # this thread (building) and the service's (decoding).
+            requests.frontend = service.frontend
             try:
                 with tqdm(total=todo, desc="requests", unit="req", disable=None) as bar:
                     for entry in requests.entries(results.ids if results else frozenset()):
