@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -65,6 +67,7 @@ class RequestFile:
         self.frontend = frontend
         self.max_tokens = defaults.MAX_TOKENS if max_tokens is None else max_tokens
         self.batch: bool | None = None     # decided by the first request line
+        self.requests = 0                  # lines check() found
 
     # -- reading ---------------------------------------------------------------------------------
     def _lines(self) -> Iterator[tuple[int, dict]]:
@@ -72,6 +75,10 @@ class RequestFile:
         is not one, or for a failed read."""
         try:
             with _open(self.path, "rb") as f:
+                # Read twice: a pipe would be empty the second time.
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise UserError(f"--requests {self.path} is not a regular file (it is "
+                                    "read twice: save it to a file first)")
                 for n, raw in enumerate(f, 1):
                     try:
                         text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
@@ -209,6 +216,7 @@ class RequestFile:
                 self._build(entry, item)
         if not requests:
             raise UserError(f"{self.path} holds no requests")
+        self.requests = requests
         return todo
 
     def entries(self, skip=frozenset()) -> Iterator[Entry]:
@@ -222,6 +230,9 @@ class RequestFile:
                 continue
             self._build(entry, item)
             yield entry
+        if self.requests and ordinal != self.requests:
+            raise UserError(f"{self.path} changed while it was served ({self.requests} "
+                            f"requests when checked, {ordinal} now)")
 
 
 def read_requests(path: str | Path, frontend, default_max_tokens: int | None = None) -> list:

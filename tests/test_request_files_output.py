@@ -146,6 +146,9 @@ def test_a_read_error_is_one_line(tmp_path, capsys, monkeypatch):
         def __exit__(self, *exc):
             self.f.close()
 
+        def fileno(self):
+            return self.f.fileno()
+
         def __iter__(self):
             yield next(iter(self.f))
             raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -158,6 +161,15 @@ def test_a_read_error_is_one_line(tmp_path, capsys, monkeypatch):
     assert rc == 2 and len(err) == 1 and "cannot read" in err[0]
     rc, _, err = _run(tmp_path, capsys, requests, tmp_path)
     assert rc == 2 and len(err) == 1 and "is a directory" in err[0]
+    monkeypatch.undo()
+    fifo = tmp_path / "fifo"      # a pipe would be empty when read the second time
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)   # so that opening it does not block
+    try:
+        rc, _, err = _run(tmp_path, capsys, fifo, out)
+    finally:
+        os.close(writer)
+    assert rc == 2 and len(err) == 1 and "is not a regular file" in err[0], err
 
 
 def test_resume_serves_only_the_requests_not_in_the_output(tmp_path, capsys):
@@ -204,3 +216,33 @@ def test_resume_refuses_an_output_that_is_not_results(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run.main(["--model", MODEL, "--requests", str(requests), "--resume"])
     assert "--resume goes with --output" in capsys.readouterr().err
+
+
+def test_batch_lines_resume_by_custom_id(tmp_path, capsys):
+    def line(cid):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": [17, 18, 19], "max_tokens": 1}}) + "\n"
+
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    requests.write_text(line("a") + line("b"))
+    assert _run(tmp_path, capsys, requests, out)[0] == 0
+    requests.write_text(line("a") + line("b") + line("c"))
+    rc, printed, _ = _run(tmp_path, capsys, requests, out, "--resume")
+    assert rc == 0 and "1 requests:" in printed
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def test_a_request_file_that_changes_while_served_fails(tmp_path, capsys, monkeypatch):
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _requests(requests, 3)
+    check = request_files.RequestFile.check
+
+    def check_then_cut(self, skip=frozenset()):
+        todo = check(self, skip)
+        _requests(requests, 2)
+        return todo
+
+    monkeypatch.setattr(request_files.RequestFile, "check", check_then_cut)
+    rc, _, err = _run(tmp_path, capsys, requests, out)
+    assert rc == 2 and len(err) == 1 and "changed while it was served" in err[0], err
+    assert not out.exists()
