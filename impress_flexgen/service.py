@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import math
 import queue
@@ -813,44 +812,5 @@ class Service:
 
 
 # -- request files -----------------------------------------------------------------------------
-REQUEST_FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p",
-                  "seed", "stop", "id"}
-
-
-def read_requests(path: str | Path, frontend: Frontend, default_max_tokens: int) -> list[Job]:
-    """Every line of a JSONL request file as a Job, or UserError naming the first bad line
-    (the whole file is checked before anything is served). Blank lines are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text") from None
-    jobs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {n}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise UserError(f"{where}: a request is a JSON object")
-        unknown = sorted(set(item) - REQUEST_FIELDS)
-        if unknown:
-            raise UserError(f"{where}: unknown field {unknown[0]!r} (fields: "
-                            f"{', '.join(sorted(REQUEST_FIELDS))})")
-        rid = item.get("id")
-        if rid is not None and not isinstance(rid, (str, int)):
-            raise UserError(f"{where}: id must be a string or a number")
-        try:
-            job = frontend.build(**{k: v for k, v in item.items() if k != "id"},
-                                 default_max_tokens=default_max_tokens)
-        except ServiceError as exc:
-            raise UserError(f"{where}: {exc.message}") from None
-        job.id = str(rid) if rid is not None else str(len(jobs) + 1)
-        jobs.append(job)
-    if not jobs:
-        raise UserError(f"{path} holds no requests")
-    return jobs
+# Read as a stream in request_files.py; these names stay importable from here.
+from .request_files import REQUEST_FIELDS, read_requests  # noqa: E402,F401
