@@ -34,6 +34,7 @@ import torch
 
 from policies import Segment
 
+from . import paths
 from .costs import DEFAULT_POINTS, Bandwidth, CostModel, calibrate, machine_key
 from .planner import Plan, PrefixCosts, choose_plan, split_compute
 from .tiers.chain import DISK, REMOTE
@@ -48,8 +49,8 @@ _MIN_COMPUTE_S = 0.02   # shorter prefills say more about timer noise than machi
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("IMPRESS_FLEXGEN_CACHE") or Path.home() / ".cache" /
-                "impress_flexgen")
+    """Where calibrations are cached: the one cache root (paths.cache_dir)."""
+    return paths.cache_dir()
 
 
 class _Learned:
