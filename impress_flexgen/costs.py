@@ -14,6 +14,7 @@ dtype and device. Read bandwidth is learnt per tier from the reads themselves (E
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -267,7 +268,8 @@ def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
 def calibrate(measure: Callable[[int, int], float],
               points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
               cache_path: Path | None = None, key: str = "", repeats: int = 2,
-              budget_s: float | None = None, use_cache: bool = True) -> PrefillCurve:
+              budget_s: float | None = None, use_cache: bool = True,
+              announce=None) -> PrefillCurve:
     """Fit a PrefillCurve to measure(n, ctx) -> seconds at each point (min of `repeats`).
 
     With cache_path, a cache written for the same `key` (see machine_key) is used without
@@ -277,6 +279,8 @@ def calibrate(measure: Callable[[int, int], float],
     budget_s: points are measured cheapest first, and once three are in, a point whose
     predicted cost would take the calibration past `budget_s` seconds is left out (a slow
     machine starts in seconds, with a curve fitted on shorter prefills). None: every point.
+    announce: a context manager factory (progress.step) wrapped round the measuring, which
+    a cache hit skips.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -286,18 +290,22 @@ def calibrate(measure: Callable[[int, int], float],
         cached = _load_cache(cache_path, key)
         if cached is not None:
             return cached
-    measured = []
-    spent = 0.0
-    order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
-    for n, ctx in order:
-        if budget_s is not None and len(measured) >= 3:
-            guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
-            if spent + guess > budget_s:
-                continue
-        # The min: noise (other work, page faults) only ever adds time.
-        runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
-        spent += sum(runs)
-        measured.append((int(n), int(ctx), min(runs)))
+    budget = "" if budget_s is None else f", at most {budget_s:g} s"
+    with (announce(f"calibrating the prefill cost curve ({len(points)} points{budget}; "
+                   "cached for the next start)") if announce is not None
+          else contextlib.nullcontext()):
+        measured = []
+        spent = 0.0
+        order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
+        for n, ctx in order:
+            if budget_s is not None and len(measured) >= 3:
+                guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
+                if spent + guess > budget_s:
+                    continue
+            # The min: noise (other work, page faults) only ever adds time.
+            runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
+            spent += sum(runs)
+            measured.append((int(n), int(ctx), min(runs)))
     curve = PrefillCurve.fit(measured)
     if cache_path is not None:
         _write_cache(cache_path, key, measured, curve)

@@ -45,6 +45,9 @@ class Plan:
     split_chunks: int    # m: chunks recomputed from the front (0: load, n: recompute)
     predicted_s: float   # predicted seconds of the chosen plan
     predicted: dict      # {"recompute": s, "load": s, "both": s (best interior m)}
+    # Why this plan: "predicted" (the cheapest), "explore" (tried again to measure it),
+    # "forced" (the plan was configured), "no-match" (nothing stored to plan over).
+    reason: str = "predicted"
 
 
 @dataclasses.dataclass(frozen=True)
