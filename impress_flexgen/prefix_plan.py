@@ -195,8 +195,8 @@ class PrefixPlanner:
         prefix = self.prefix_costs(segments_nodes, matched, n_new)
         plan = choose_plan(mode, now, prefix)
         reason = "predicted" if mode == "auto" else "forced"
+        self.requests += 1
         if mode == "auto":
-            self.requests += 1
             tried = self._explore(plan, now, prefix)
             if tried is not None:
                 plan, reason = tried, "explore"
