@@ -110,7 +110,7 @@ class PrefixPlanner:
         self.budget_s: float | None = CALIBRATION_BUDGET_S
         self._cost: CostModel | None = None
         self._lock = threading.Lock()
-        # Recovery: requests planned (auto), when each plan was last chosen, how many
+        # Recovery: requests planned, when each plan was last chosen (auto), how many
         # requests in a row were far off, the background recalibration and its count.
         self.requests = 0
         self._last_chosen = dict.fromkeys(_MODES, 0)
