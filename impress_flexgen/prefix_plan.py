@@ -305,7 +305,9 @@ class PrefixPlanner:
             self.speed.observe(float(np.clip(ratio, 0.25, 4.0)))
         if raw > 0 and stats.ttft_s > 0:
             ratio = stats.ttft_s / raw
-            far = far or not 1 / FAR <= ratio <= FAR
+            # Milliseconds say more about per-request overheads than about the curve.
+            far = far or (max(raw, stats.ttft_s) > _MIN_COMPUTE_S and
+                          not 1 / FAR <= ratio <= FAR)
             self.correction[stats.plan].observe(float(np.clip(ratio, 0.5, 2.0)))
         self._far = self._far + 1 if far else 0
         if self._far >= FAR_COUNT and self.requests >= self._calm_until:
