@@ -134,14 +134,17 @@ def test_a_forced_plan_says_so(tmp_path, monkeypatch):
 def test_millisecond_requests_never_trigger_a_recalibration(tmp_path, monkeypatch):
     # A tiny model's prefills are overheads more than curve: 5x off in milliseconds is noise.
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
-    planner = prefix_plan.PrefixPlanner(FakeEngine())
+    engine = FakeEngine()
+    engine.measure_prefill = lambda n, ctx=0: TRUE.predict(n, ctx) / 10   # ~1 ms prefills
+    planner = prefix_plan.PrefixPlanner(engine)
     prefix = PrefixCosts.uniform(1, T, 4, [1e-5])
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
     for _ in range(10):
         plan = planner.choose("auto", None, T, 4)
         stats = types.SimpleNamespace(plan=plan.mode, plan_split=plan.split_chunks,
-                                      compute_s=0.0, ttft_s=min(5 * plan.predicted_s, 0.015),
+                                      compute_s=0.0, ttft_s=0.015,
                                       chunks_loaded=0, computed_tokens=4, matched_tokens=T,
                                       select_s=0.0)
+        assert stats.ttft_s > 10 * plan.predicted_s
         planner.observe(stats, 0, 0.0, 0)
     assert planner.wait_recalibration(5) and planner.recalibrations == 0
