@@ -105,6 +105,9 @@ class RequestStats:
     plan: str = "load"
     plan_split: int = 0
     predicted_ttft_s: float = 0.0
+    # Why: "predicted", "explore" (tried again to measure it), "forced" (configured) or
+    # "no-match" (nothing stored to plan over).
+    plan_reason: str = "no-match"
     shared_tokens: int = 0       # prefix tokens whose KV came from the shared pool
     # Decode. Bytes per step: K + V of the pages a decode-phase policy copied to the compute
     # device; for the other policies, the whole attended context (what a cache kept off the
@@ -410,12 +413,15 @@ class Engine:
         mode = self.config.plan
         if not segments_nodes or mode == "load":
             stats.plan, stats.plan_split = "load", 0
+            stats.plan_reason = "forced" if segments_nodes else "no-match"
             return 0
         if mode == "recompute":
             stats.plan, stats.plan_split = "recompute", matched // self.store.config.chunk_size
+            stats.plan_reason = "forced"
             return matched
         plan = self.planner.choose(mode, segments_nodes, matched, n_new)
         stats.plan, stats.plan_split = plan.mode, plan.split_chunks
+        stats.plan_reason = getattr(plan, "reason", "predicted")
         stats.predicted_ttft_s = plan.predicted_s
         return plan.split_chunks * self.store.config.chunk_size
 
