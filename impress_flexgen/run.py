@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     spec = resolve_spec(cfg)
     tokenizer = requests = results = None
     if args.prompt or args.requests:
-        from .tokenizer import load_tokenizer
+        from .runtime import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
     if args.prompt:
