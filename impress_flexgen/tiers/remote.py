@@ -123,6 +123,7 @@ class RedisTier:
             self._single = redis.Redis(connection_pool=self._pool)
         self._latency_s = 0.0005      # EWMA of one small command's round trip
         self._s_per_byte = 1e-9       # EWMA of the seconds each byte read adds (1 GB/s)
+        self._timed_small = self._timed_large = 0
 
         self._mu = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -204,10 +205,15 @@ class RedisTier:
         """Learn from one command: small ones teach the latency, large ones the bandwidth."""
         with self._mu:
             if n_bytes <= 64 * 1024:
-                self._latency_s += EWMA * (seconds - self._latency_s)
+                # The first measurement replaces the prior: a slow pool is known at once.
+                w = EWMA if self._timed_small else 1.0
+                self._timed_small += 1
+                self._latency_s += w * (seconds - self._latency_s)
             else:
                 per = max(seconds - self._latency_s, 0.0) / n_bytes
-                self._s_per_byte += EWMA * (per - self._s_per_byte)
+                w = EWMA if self._timed_large else 1.0
+                self._timed_large += 1
+                self._s_per_byte += w * (per - self._s_per_byte)
 
     def load_estimate_s(self, n_chunks: int) -> float:
         """Predicted seconds to read n_chunks whole chunks, one round trip per layer."""
