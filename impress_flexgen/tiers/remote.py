@@ -205,9 +205,12 @@ class RedisTier:
         """Learn from one command: small ones teach the latency, large ones the bandwidth."""
         with self._mu:
             if n_bytes <= 64 * 1024:
-                # The first measurement replaces the prior: a slow pool is known at once.
-                w = EWMA if self._timed_small else 1.0
+                # The very first command also opened a connection: not a measure of the pool.
+                # The next one replaces the prior: a slow pool is known from then on.
                 self._timed_small += 1
+                if self._timed_small == 1:
+                    return
+                w = EWMA if self._timed_small > 2 else 1.0
                 self._latency_s += w * (seconds - self._latency_s)
             else:
                 per = max(seconds - self._latency_s, 0.0) / n_bytes
@@ -262,8 +265,9 @@ class RedisTier:
         if not rkeys or not self._reachable():
             return 0
         try:
+            client = self._client      # (a cluster's first use maps its slots: not timed)
             t0 = time.perf_counter()
-            pipe = self._client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for k in rkeys:
                 pipe.exists(k)
             found = pipe.execute()
@@ -299,8 +303,9 @@ class RedisTier:
             return 0
         n_layers = self.namespace.n_layers
         try:
+            client = self._client      # (a cluster's first use maps its slots: not timed)
             t0 = time.perf_counter()
-            pipe = self._client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.exists(marker_key(h), *(layer_key(h, i) for i in range(n_layers)))
             found = pipe.execute()
@@ -371,11 +376,11 @@ class RedisTier:
             return misses
         rkeys = [layer_key(h, layer) for h, layer in pairs]
         try:
+            client = self._client
             t0 = time.perf_counter()
             # One round trip: a cluster's client sends one MGET per slot, to every node at
             # once, and puts the answers back in order.
-            values = self._client.mget_nonatomic(rkeys) if self.cluster \
-                else self._client.mget(rkeys)
+            values = client.mget_nonatomic(rkeys) if self.cluster else client.mget(rkeys)
         except (redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc, "get")
             self._count(misses=len(pairs))
