@@ -58,6 +58,8 @@ _COUNTERS = ("hits", "misses", "bytes_in", "bytes_served", "corrupt_values", "er
 ORPHAN_TTL_S = 600
 # Weight of the newest sample in the latency and bandwidth averages.
 EWMA = 0.3
+# Bytes a connection reads from its socket at once: a layer of a long prefix is megabytes.
+READ_SIZE = 1 << 20
 
 class _Pending:
     """What submit_get returns: a future, or an answer known at once (tier down, no keys)."""
@@ -117,6 +119,7 @@ class RedisTier:
                 # waits longer than one timeout on a dead server.
                 self._pool = redis.ConnectionPool.from_url(
                     url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                    socket_read_size=READ_SIZE,
                     retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
             except ValueError as exc:
                 raise UserError(f"remote tier: bad url {self.shown_url!r}: {exc}") from None
