@@ -34,7 +34,7 @@ from ..tiers.remote import RedisTier, RemoteNamespace, chunk_hashes
 SECRET_ENV = "IMPRESS_REMOTE_SECRET"
 # Recompute speed assumed when the engine has no cost model (tokens per second): low, so
 # that only a pool clearly slower than computing is skipped.
-FALLBACK_TOKENS_PER_S = 2000.0
+FALLBACK_TOKENS_PER_S = 1000.0
 PROBE_EVERY_S = 10.0
 
 
