@@ -148,6 +148,8 @@ class TierSizes:
     exclusive: bool = True
     verify_hits: bool = False    # CRC-check every tier hit (promotions always are)
     remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
+    remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
+    remote_ttl: int | None = None  # seconds the pool keeps a chunk (None: until evicted)
 
 
 class FamilyMath:
@@ -260,7 +262,10 @@ class Engine:
         self.shared = None
         self.shared_fallbacks = 0
         if tiers.remote_url and store is not None and policy.reuse:
-            self.shared = shared_pool(tiers.remote_url, store, self.dtype)
+            self.shared = shared_pool(
+                tiers.remote_url, store, self.dtype, secret=tiers.remote_secret,
+                ttl_s=tiers.remote_ttl, recompute_s=lambda n, ctx: None if self.planner is None
+                else self.planner.cost().compute_s(n, ctx))
         self.tier_names = TierConfig().names(remote=self.shared is not None)
         self.max_positions = runtime.spec.config.max_seq_len
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
@@ -293,10 +298,11 @@ class Engine:
                 # Never serve corrupt KV: take the node out of service and recompute.
                 self.store.quarantine(exc.node, str(exc))
             except SharedMiss as exc:
-                # The pool lost a chunk it had: serve from the local tiers alone.
-                log.warning("shared pool: %s; serving without it", exc)
+                # The pool lost a chunk it had (no longer marked held): serve again with what
+                # it still holds whole, publishing the rest back; then without it.
+                log.warning("shared pool: %s; serving again", exc)
                 self.shared_fallbacks += 1
-                use_shared = False
+                use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,

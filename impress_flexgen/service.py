@@ -162,7 +162,8 @@ class ServiceConfig:
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
         tiers = TierSizes(gpu, cpu, verify_hits=args.verify_tier_hits,
-                          remote_url=args.remote_tier)
+                          remote_url=args.remote_tier, remote_secret=args.remote_secret,
+                          remote_ttl=args.remote_ttl)
         store = StoreOptions(root=args.store_dir, reorder_interval=args.reorder_interval,
                              disk_capacity_bytes=None if args.disk_capacity_gb is None
                              else int(args.disk_capacity_gb * GB),
@@ -189,16 +190,15 @@ class ServiceConfig:
         return line
 
 
-def redact_url(url: str) -> str:
-    """A pool's url fit to print: a password in it is replaced by ***."""
-    import urllib.parse
+# The shared pool's counters exported as shared_pool_events{event=...}.
+POOL_EVENTS = ("skipped_requests", "corrupt_values", "incomplete_chunks")
 
-    parts = urllib.parse.urlsplit(url)
-    if not parts.password:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+
+def redact_url(url: str) -> str:
+    """A pool's url fit to print: a password in it (userinfo or query) is replaced by ***."""
+    from .tiers.remote_url import redact_url as redact
+
+    return redact(url)
 
 
 # -- prompts in ------------------------------------------------------------------------------
@@ -639,6 +639,11 @@ class Service:
             self.m_pool_fallbacks = Counter(
                 "shared_pool_fallbacks", "Requests served again without the shared pool (a "
                 "chunk it had could not be fetched whole)", namespace=ns, registry=r)
+            self.m_pool_events = Counter(
+                "shared_pool_events", "Shared pool: requests that skipped it as slower than "
+                "computing, values refused by their checksum or HMAC, chunks found missing a "
+                "layer", ["event"], namespace=ns, registry=r)
+            self._pool_seen = dict.fromkeys(POOL_EVENTS, 0)
 
     def _hit_ratio(self, tier: str) -> float:
         if self.store is None or self.store.cache is None:
@@ -772,6 +777,10 @@ class Service:
             fallbacks = self.engine.shared_fallbacks
             self.m_pool_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
+            pool = self.engine.shared.tier.metrics()
+            for event in POOL_EVENTS:
+                self.m_pool_events.labels(event).inc(pool[event] - self._pool_seen[event])
+                self._pool_seen[event] = pool[event]
         self.m_completion.inc(n_tokens)
         for tier, n in stats["bytes_read"].items():
             self.m_bytes.labels(tier).inc(n)
