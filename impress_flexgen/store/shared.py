@@ -31,7 +31,7 @@ class SharedPrefix:
         self.chunk_size = namespace.chunk_size
         self.n_layers = namespace.n_layers
 
-    def open(self, prefix, matched: int, stats) -> "GivenKV | None":
+    def open(self, prefix, matched: int, stats, tenant: str = "") -> "GivenKV | None":
         """The run of whole chunks of `prefix` after token `matched` that the pool holds
         (None: none). `matched` is chunk-aligned (the local radix match)."""
         hashes = chunk_hashes(self.namespace, prefix)
@@ -42,7 +42,7 @@ class SharedPrefix:
         stats.shared_tokens = held * self.chunk_size
         return GivenKV(self, hashes[first:first + held], stats)
 
-    def publish(self, prefix, start: int, kv) -> int:
+    def publish(self, prefix, start: int, kv, tenant: str = "") -> int:
         """Queue the whole chunks of tokens [start, ...) for the pool; kv[layer] = (K, V) of
         those tokens, (kv_heads, n, head_dim). Returns chunks queued."""
         c = self.chunk_size
