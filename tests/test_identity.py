@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from impress_flexgen import run
+from impress_flexgen.cli import run_main
 from impress_flexgen.engine import model_shape
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import resolve
@@ -67,9 +68,9 @@ def test_a_given_store_dir_of_another_seed_is_refused_in_one_line(tmp_path, cach
     _serve(tmp_path, requests, "--model", "llama-tiny", "--seed", "0", store_dir=stores)
     capsys.readouterr()
     out = tmp_path / "out2.jsonl"
-    rc = run.main(["--model", "llama-tiny", "--seed", "1", "--requests", str(requests),
-                   "--output", str(out), "--offload-dir", str(tmp_path / "off"),
-                   "--store-dir", str(stores)])
+    rc = run_main("run", run.main, [
+        "--model", "llama-tiny", "--seed", "1", "--requests", str(requests), "--output",
+        str(out), "--offload-dir", str(tmp_path / "off"), "--store-dir", str(stores)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "another model" in err and len(err.splitlines()) == 1
 
