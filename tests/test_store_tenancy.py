@@ -169,8 +169,22 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
                 raise OSError(errno.ENOSPC, "No space left on device")
             return write(*args, **kwargs)
         monkeypatch.setattr(store, "_write_layer_file", disk_full)
+        monkeypatch.setattr(store, "_free_bytes", lambda: 0)
         new = tokens(30, 2 * C)
         store.insert(new, 0, make_kv(2 * C, 9))
         assert matched(store, new) == 2 * C
         assert store.metrics.evictions >= 1
         assert sum(matched(store, t) > 0 for t in olds) < 3
+
+
+def test_a_passing_enospc_on_a_disk_with_room_evicts_nothing(tmp_path, monkeypatch):
+    with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
+        old = tokens(40, 2 * C)
+        store.insert(old, 0, make_kv(2 * C, 1))
+
+        def disk_full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(store, "_write_layer_file", disk_full)
+        with pytest.raises(StoreWriteFailed):
+            store.insert(tokens(41, 2 * C), 0, make_kv(2 * C, 2))
+        assert matched(store, old) == 2 * C and store.metrics.evictions == 0

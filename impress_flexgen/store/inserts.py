@@ -3,6 +3,7 @@ then one metadata transaction (with the split of a partly matched node) makes th
 from __future__ import annotations
 
 import errno
+import os
 import time
 import uuid
 from pathlib import Path
@@ -92,8 +93,9 @@ class _Inserts:
             except DiskFull:
                 # No capacity set and the disk itself is full: evict leaves nobody holds
                 # (this insert's path is pinned) and try again, or nothing new is ever
-                # stored again.
-                if self.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need:
+                # stored again. A disk with room left (a passing fault) evicts nothing.
+                if self.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
+                        or self._free_bytes() >= need:
                     raise
                 freed = self._evict_bytes(need)
                 if not freed:
@@ -108,6 +110,14 @@ class _Inserts:
                 with self.lock:
                     return self.tree.path_to(node)
         raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
+
+    def _free_bytes(self) -> int:
+        """Bytes this user may still write on the store's file system."""
+        try:
+            st = os.statvfs(self.data_dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def _supersede(self, node: RadixNode) -> None:
         """Under the lock: remove an inexact node (and the prefixes below it, inexact by
