@@ -5,6 +5,6 @@ from .entries import LayerEntry, LayerStats, StoreMetrics
 from .prefix_store import PrefixStore
 from .reorder import ReorderEngine
 
-__all__ = ["CHUNK_SIZE", "LAYOUT_VERSION", "STORE_FORMAT", "CorruptNode", "LayerEntry", "LayerStats", "ModelShape",
-           "PrefixStore", "ReorderEngine", "StoreConfig", "StoreFull", "StoreMetrics",
-           "StoreWriteFailed", "model_fingerprint"]
+__all__ = ["CHUNK_SIZE", "LAYOUT_VERSION", "STORE_FORMAT", "CorruptNode", "LayerEntry",
+           "LayerStats", "ModelShape", "PrefixStore", "ReorderEngine", "StoreConfig", "StoreFull",
+           "StoreMetrics", "StoreWriteFailed", "model_fingerprint"]

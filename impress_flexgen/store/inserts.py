@@ -97,10 +97,10 @@ class _Inserts:
                 if self.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
                         or self._free_bytes() >= need:
                     raise
-                freed = self._evict_bytes(need)
-                if not freed:
+                made = self._evict_bytes(need)
+                if not made:
                     raise
-                freed_for_full += freed
+                freed_for_full += made
                 node = None
             finally:
                 with self.lock:
