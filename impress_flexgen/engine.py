@@ -47,7 +47,8 @@ from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
-from .store import CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
+from .store import (CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig,
+                    StoreWriteFailed, model_fingerprint)
 from .store.readahead import LayerLoader, ReadAhead
 from .prefix_plan import ContextKV, PrefixPlanner
 from .store.shared import SharedMiss, shared_pool
@@ -73,6 +74,10 @@ class Request:
     # Called with each new token as it is produced (the first included, a stop token not);
     # returning False ends generation there (stop strings, a client gone, a deadline).
     on_token: Callable[[int], bool] | None = None
+    # Whose cache this request reads and fills: requests of different namespaces never
+    # share stored prefix KV (the server derives it from the API key and cache_salt; ""
+    # is the default, shared namespace).
+    namespace: str = ""
 
 
 @dataclasses.dataclass
@@ -109,6 +114,10 @@ class RequestStats:
     # "no-match" (nothing stored to plan over).
     plan_reason: str = "no-match"
     shared_tokens: int = 0       # prefix tokens whose KV came from the shared pool
+    # The new KV is what full attention over the whole prefix gives: False when a layer
+    # attended to a selection of the stored prefix, or loaded KV that was itself such.
+    # Inexact KV is stored flagged (exact readers never match it), never shared.
+    exact: bool = True
     # Decode. Bytes per step: K + V of the pages a decode-phase policy copied to the compute
     # device; for the other policies, the whole attended context (what a cache kept off the
     # device would have to move each step).
@@ -193,9 +202,14 @@ class FamilyMath:
         return F.linear(h, w_token.data).float()
 
 
-def model_shape(spec) -> ModelShape:
+def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
+    """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
+    the weights' content, the compute and KV dtypes, the chunk size and the layout."""
     m = FamilyMath(spec)
-    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim)
+    digest = getattr(spec, "weights_digest", "")
+    fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
+        if digest else ""
+    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)
 
 
 def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -222,7 +236,7 @@ def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
                             reorder_interval=reorder_interval if policy.reorder else 0,
                             direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
                             reorder_by=reorder_by, read_limit_mb_s=read_limit_mb_s)
-    return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
+    return PrefixStore(directory, model_shape(runtime.spec, chunk_size), store_cfg)
 
 
 class Engine:
@@ -317,13 +331,15 @@ class Engine:
         try:
             # 1. match
             if use_store:
-                match = self.store.match_prefix(req.prefix)
+                # An exact reader never sees KV computed over a selection of a prefix.
+                match = self.store.match_prefix(req.prefix, namespace=req.namespace,
+                                                exact_only=self.policy.exact_reads)
             segments_nodes = match.segments if match else []
             matched = sum(u for _, u in segments_nodes)
             stats.matched_tokens = matched
             stats.match_s = time.perf_counter() - t_start
             # The prefix tokens right after the matched ones may be in the shared pool.
-            given = self.shared.open(req.prefix, matched, stats) \
+            given = self.shared.open(req.prefix, matched, stats, tenant=req.namespace) \
                 if use_shared and use_store else None
             n_given = given.n_tokens if given is not None else 0
             new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
@@ -362,17 +378,19 @@ class Engine:
                     try:
                         self.store.insert(req.prefix, matched,
                                           [(k[:, :n_prefix_new], v[:, :n_prefix_new])
-                                           for k, v in new_kv])
+                                           for k, v in new_kv],
+                                          namespace=req.namespace, exact=stats.exact)
                     except StoreWriteFailed as exc:
                         log.warning("prefix not stored: %s", exc)
                     else:
-                        if use_shared:
+                        if use_shared and stats.exact:
                             # Durable here first; then shared (write-through, in the
-                            # background): the chunks the pool did not give us.
+                            # background): the chunks the pool did not give us. Only
+                            # exact KV is shared: the pool keeps no flag.
                             self.shared.publish(req.prefix, matched + n_given,
                                                 [(k[:, n_given:n_prefix_new],
                                                   v[:, n_given:n_prefix_new])
-                                                 for k, v in new_kv])
+                                                 for k, v in new_kv], tenant=req.namespace)
                 stats.store_s = time.perf_counter() - t0
 
             # 6. decode
@@ -582,7 +600,11 @@ class Engine:
         attended = 0
         for si, seg in enumerate(segments):
             ids = chosen[si]
+            if firsts[si] < seg.used and not getattr(seg.node, "exact", True):
+                stats.exact = False       # loaded KV that was itself computed sparsely
             if len(ids) == 0:
+                if stats.exact and not self._covers(seg, firsts[si], n_pad, None, None):
+                    stats.exact = False
                 continue
             rows, logical = tokens_of_chunks(seg, ids, firsts[si])
             ks += self._rows(loaded[si]["k"], rows)
@@ -593,6 +615,8 @@ class Engine:
                 mask = np.asarray(plan.attend[si])[:, logical]
             if n_pad:
                 mask = mask & (seg.start + logical >= n_pad)[None]
+            if stats.exact and not self._covers(seg, firsts[si], n_pad, logical, mask):
+                stats.exact = False
             masks.append(mask)
             attended += int(mask.any(axis=0).sum())
             if self.store is not None:
@@ -603,6 +627,18 @@ class Engine:
         mask = np.concatenate(masks, axis=1) if masks else \
             np.zeros((self.math.n_kv_head, 0), dtype=bool)
         return ks, vs, torch.from_numpy(mask).to(self.device)
+
+    @staticmethod
+    def _covers(seg, first: int, n_pad: int, logical, mask) -> bool:
+        """Does every KV head attend every (unpadded) prefix token of `seg` from `first` on?
+        (Not: the new KV is approximate.)"""
+        if first >= seg.used:
+            return True
+        seen = np.zeros(seg.used, dtype=bool)
+        seen[:max(0, min(seg.used, n_pad - seg.start))] = True     # padding: never attended
+        if logical is not None:
+            seen[logical[mask.all(axis=0)]] = True
+        return bool(seen[first:].all())
 
     def _rows(self, chunks: list[torch.Tensor], rows: np.ndarray) -> list[torch.Tensor]:
         """Loaded chunks, concatenated, keep the rows holding prefix tokens: as pieces on

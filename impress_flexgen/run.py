@@ -137,12 +137,12 @@ def main(argv=None) -> int:
         requests, results, todo = open_request_file(args, spec, tokenizer)
         if not todo:
             return 0
-        claim_store_root(config.store.root_for(spec.name))
+        claim_store_root(config.store.root_for(spec, args.chunk_size))
     elif args.prompt_token_ids is not None:
         check_prompts(spec, args.prompt_token_ids, args.max_new_tokens)
     else:
         check_workload(spec, args)
-        store_root = config.store.root_for(spec.name)
+        store_root = config.store.root_for(spec, args.chunk_size)
         claim_store_root(store_root)
     with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"
@@ -255,7 +255,8 @@ def claim_store_root(root: Path) -> None:
         if root.is_dir() and any(root.iterdir()) and not (root / STORE_ROOT_MARK).exists():
             raise UserError(f"--store-dir {root} is not empty and was not made by "
                             "impress_flexgen; choose an empty or new directory")
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.exists():
+            root.mkdir(mode=0o700, parents=True)     # stores hold prompts: owner only
         (root / STORE_ROOT_MARK).touch()
     except OSError as exc:
         raise UserError(f"cannot use --store-dir {root}: {exc.strerror or exc}") from None

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import uuid
@@ -69,15 +70,28 @@ class StoreOptions:
     """Where a run's stores live and how they behave on this machine. What shapes a store's
     files (chunk size, probe format, layout) belongs to the RunConfig (store_options())."""
 
-    root: str | Path | None = None          # None: <cache>/stores/<model>
+    root: str | Path | None = None          # None: <cache>/stores/<model>-<identity>
     disk_capacity_bytes: int | None = None  # None: unlimited
     reorder_interval: int = 50              # queries between background reorders; 0: never
     read_limit_mb_s: float | None = None    # disk read bandwidth cap; None: none
 
-    def root_for(self, model_name: str) -> Path:
+    def root_for(self, model, chunk_size: int | None = None) -> Path:
+        """The folder of `model`'s stores (a ModelSpec; a bare name only for callers that
+        have no model): the root given, else one per model identity (its label and the
+        short form of its fingerprint), so that other weights, another seed or checkpoint,
+        or another dtype never open a store of KV they did not compute."""
         from .paths import cache_dir
 
-        return Path(self.root).expanduser() if self.root else cache_dir() / "stores" / model_name
+        if self.root:
+            return Path(self.root).expanduser()
+        if isinstance(model, str):
+            return cache_dir() / "stores" / model
+        from .engine import model_shape
+
+        shape = model_shape(model, chunk_size or CHUNK_SIZE)
+        label = re.sub(r"[^A-Za-z0-9._-]+", "-", shape.name).strip("-.") or "model"
+        return cache_dir() / "stores" / (f"{label}-{shape.short_id}" if shape.short_id
+                                         else label)
 
     def open_options(self) -> dict:
         """open_store keyword arguments (besides the RunConfig's)."""
@@ -493,11 +507,11 @@ class Service:
         if runtime is None:
             rcfg = config.runtime_config()
             spec = resolve_spec(rcfg)
-            root = config.store.root_for(spec.name)
+            root = config.store.root_for(spec, run.chunk_size)
             claim_store_root(root)
             runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
         else:
-            root = config.store.root_for(runtime.spec.name)
+            root = config.store.root_for(runtime.spec, run.chunk_size)
             claim_store_root(root)
         self.rt = runtime
         self.store = None
