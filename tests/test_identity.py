@@ -33,8 +33,8 @@ def cache(tmp_path, monkeypatch):
 
 def _requests(path):
     path.write_text("".join(json.dumps(x) + "\n" for x in (
-        {"id": "a", "prompt": BOOK + " Mr. Bennet said", "max_tokens": 4},
-        {"id": "b", "prompt": BOOK + " Mrs. Bennet replied", "max_tokens": 4})))
+        {"id": "a", "prompt": BOOK + " Mr. Bennet said", "max_tokens": 4, "temperature": 0},
+        {"id": "b", "prompt": BOOK + " Mrs. Bennet replied", "max_tokens": 4, "temperature": 0})))
     return path
 
 
