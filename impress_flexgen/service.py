@@ -751,17 +751,6 @@ class Service:
 
         self.scheduler.add(Work(request, on_done))
 
-    def _serve(self, ticket: Ticket) -> Completion:
-        """One ticket alone (outside the scheduler)."""
-        request, ended = self._request(ticket)
-        started = time.monotonic()
-        try:
-            resp = self.engine.serve(request)
-        except UserError as exc:
-            self.count("invalid")
-            raise ServiceError(400, str(exc)) from None
-        return self._complete(ticket, resp, ended, started)
-
     def _request(self, ticket: Ticket):
         """The engine request of a ticket, with its streaming, stop strings, cancellation
         and deadline in on_token; ServiceError if cancelled or expired while queued."""
