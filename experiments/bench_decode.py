@@ -1,7 +1,11 @@
 """Single-stream decode speed: our engine against Hugging Face transformers on the same weights.
 
     python -m experiments.bench_decode [--model smollm2-135m] [--tokens 64] [--prompt 256]
-                                       [--profile] [--json PATH]
+                                       [--batch 4] [--placement cpu] [--profile] [--json PATH]
+
+`--batch N` also decodes N such requests stepped together (one batched decode step per token,
+see batch_runner) against one after another: what batching buys per step, with the weights
+where `--placement` puts them (off the compute device, every step moves them).
 
 Both decode the same prompt greedily, one token at a time with a KV cache, in one process
 (absolute figures on a shared machine are noisy; the ratio is what to read). Also measures a
@@ -53,6 +57,24 @@ def ours(rt, prompt, n_tokens, profile=False):
     return resp.tokens, 1.0 / resp.stats.decode_s_per_token
 
 
+def batched(rt, prompt, n_tokens, batch):
+    """Decode tokens/s of `batch` requests stepped together, and of one alone."""
+    from policies import make_policy
+    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.serving import RunConfig
+
+    engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
+    reqs = [Request(prompt[:-1 - i], prompt[-1 - i:], max_new_tokens=n_tokens)
+            for i in range(batch)]
+    seqs = [engine.start(r) for r in reqs]
+    t0 = time.perf_counter()
+    while not all(s.done for s in seqs):
+        engine.step([s for s in seqs if not s.done])
+    together = sum(s.steps for s in seqs) / (time.perf_counter() - t0)
+    alone = 1.0 / engine.serve(reqs[0]).stats.decode_s_per_token
+    return together, alone
+
+
 def transformers_generate(model, prompt, n_tokens):
     ids = torch.tensor([prompt], device=model.device)
     kw = dict(max_new_tokens=n_tokens, do_sample=False, min_new_tokens=n_tokens,
@@ -79,15 +101,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int_range(2, 4096), default=256)
     ap.add_argument("--rounds", type=int_range(1, 10), default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--batch", type=int_range(1, 64), default=1)
+    ap.add_argument("--placement", default="gpu", help="weights' placement (gpu)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    from impress_flexgen.placement import Placement
     from impress_flexgen.reference import load_reference
     from impress_flexgen.runtime import Runtime, RuntimeConfig
 
     with tempfile.TemporaryDirectory() as off, \
-            Runtime(RuntimeConfig(model=args.model, offload_dir=off, dtype=np.float32)) as rt:
+            Runtime(RuntimeConfig(model=args.model, offload_dir=off, dtype=np.float32,
+                                  placement=Placement.parse(args.placement))) as rt:
         vocab = rt.spec.config.vocab_size
         prompt = np.random.default_rng(0).integers(10, vocab, args.prompt).tolist()
         device = rt.model.layers[0].compute.dev
@@ -103,6 +129,11 @@ def main(argv=None) -> int:
                 row["same_tokens"] = hf_toks[:len(toks)] == toks
             rows.append(row)
             print(row, flush=True)
+        if args.batch > 1:
+            together, alone = batched(rt, prompt, args.tokens, args.batch)
+            rows.append({"batch": args.batch, "placement": args.placement,
+                         "batched_tokens_per_s": together, "alone_tokens_per_s": alone})
+            print(rows[-1], flush=True)
         bw = memcpy_gb_s(device)
         result = {"model": args.model, "device": str(device), "prompt": args.prompt,
                   "tokens": args.tokens, "rounds": rows, "memcpy_gb_s": bw,

@@ -153,3 +153,42 @@ def test_a_failing_request_leaves_the_others(tiny_runtimes):
     assert isinstance(out[1], Exception)
     assert out[0].tokens == out[2].tokens == engine.serve(good).tokens
     assert torch.equal(out[0].step_logits[-1], out[2].step_logits[-1])
+
+
+def test_service_batches_concurrent_jobs_as_served_alone(tiny_runtimes, tmp_path):
+    """Jobs submitted together to a service with batching answer as with max batch size 1;
+    a cancelled job ends alone; /metrics counts batch sizes and time per output token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from impress_flexgen.service import Service, ServiceConfig
+
+    rt = tiny_runtimes["llama-tiny"]
+    texts = [f"Question {i}: " + "what the text says about it " * (3 + i) for i in range(6)]
+    answers = {}
+    for size in (1, 4):
+        config = ServiceConfig(model="llama-tiny", store_root=tmp_path / str(size),
+                               max_batch_size=size, queue_size=8)
+        with Service(config, runtime=rt) as service:
+            jobs = [service.frontend.build(prompt=t, max_tokens=8, seed=3,
+                                           temperature=0.7 if i == 4 else 0)
+                    for i, t in enumerate(texts)]
+            tickets = [service.submit(j) for j in jobs]
+            tickets[2].cancel()
+            got = []
+            for t in tickets:
+                try:
+                    got.append(t.future.result(timeout=300).token_ids)
+                except Exception as exc:  # noqa: BLE001 - the cancelled one may never start
+                    got.append(type(exc).__name__)
+            answers[size] = got
+            metrics = {s.name: s.value for fam in text_string_to_metric_families(
+                service.metrics_text().decode()) for s in fam.samples}
+        assert metrics["impress_flexgen_requests_running"] == 0
+        assert metrics["impress_flexgen_requests_waiting"] == 0
+        assert metrics["impress_flexgen_batch_size_count"] > 0
+        assert metrics["impress_flexgen_time_per_output_token_seconds_count"] >= 4
+        if size == 4:
+            assert metrics["impress_flexgen_batch_size_sum"] > \
+                metrics["impress_flexgen_batch_size_count"]      # some steps held several
+    keep = [i for i in range(6) if i != 2]
+    assert [answers[4][i] for i in keep] == [answers[1][i] for i in keep]
