@@ -159,6 +159,11 @@ class Scheduler:
     def _end(self, work: Work, response, error) -> None:
         if work in self.running:
             self.running.remove(work)
+        if response is None and work.seq is not None and work.seq.pages is not None:
+            try:
+                work.seq.pages.close()      # its selector's threads, when it failed mid-way
+            except Exception:  # noqa: BLE001 - already failing; the error that counts is `error`
+                log.debug("closing a failed request's pages", exc_info=True)
         work.seq = None
         work.on_done(response, error)
 
