@@ -279,6 +279,11 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                         "later runs")
     t.add_argument("--placement", type=placement_arg, default="auto",
                    help=PLACEMENT_HELP + " (default auto)")
+    g.add_argument("--max-batch-size", type=int_range(1), default=8, metavar="N",
+                   help="requests decoded together; new ones join between steps (8)")
+    g.add_argument("--max-batch-tokens", type=int_range(1), default=8192, metavar="N",
+                   help="tokens per step: one per running request plus the prompts "
+                        "prefilled in it; a lone prompt is always taken (8192)")
     return g, t
 
 

@@ -21,7 +21,10 @@ For each request:
               logits of the other query positions, when asked for, come after);
   5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
               shared pool (write-through, in the background);
-  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix).
+  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix):
+              `start` returns a Sequence after 1-5, `step` advances a batch of sequences by
+              one token each (batch_runner), `finish` makes the response; `serve` does all
+              three for one request, a scheduler interleaves many (scheduler).
 """
 from __future__ import annotations
 
@@ -45,8 +48,10 @@ from .errors import UserError
 from .models.base import dense
 from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
+from .batch_runner import BatchRunner
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
+from .sequence import LayerKV, Sequence
 from .store import (CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig,
                     StoreWriteFailed, model_fingerprint)
 from .store.readahead import LayerLoader, ReadAhead
@@ -284,6 +289,7 @@ class Engine:
         self.max_positions = runtime.spec.config.max_seq_len
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
             self.planner = PrefixPlanner(self)
+        self.runner = BatchRunner(self)
 
     def close(self) -> None:
         """Stop the shared pool's threads (the store and runtime are closed by their owner)."""
@@ -292,12 +298,25 @@ class Engine:
 
     # -- the request ------------------------------------------------------------------------
     def serve(self, request: Request, query_logits: bool = False) -> Response:
+        """One request alone, from radix match to its last token."""
+        with self._serving:
+            seq = self.start(request, query_logits)
+            while not seq.done:
+                self.step([seq])
+            return self.finish(seq)
+
+    def start(self, request: Request, query_logits: bool = False) -> Sequence:
+        """The prefill step of a request (match, plan, load, compute, first token, store):
+        a sequence for decode steps, `done` when the first token was also the last."""
         if not request.query:
             raise UserError("a request needs at least one query token")
         if request.max_new_tokens < 1:
             raise UserError("max_new_tokens must be at least 1")
         if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
             raise UserError("n_pad must leave at least one real prefix token")
+        if request.forced is not None and request.max_new_tokens > 1 and \
+                len(request.forced) < request.max_new_tokens - 1:
+            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
         if request.on_token is not None:
             request = dataclasses.replace(request, on_token=_Relay(request.on_token))
         use_shared = self.shared is not None
@@ -319,8 +338,31 @@ class Engine:
                 use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
 
+    def step(self, seqs: list[Sequence]) -> None:
+        """One decode step: the next token of every sequence (none of them done), with
+        each layer's weights used once for all of them."""
+        with self._serving:
+            self.runner.step(seqs)
+
+    def finish(self, seq: Sequence) -> Response:
+        """The response of a sequence (done, or given up by its caller)."""
+        stats = seq.stats
+        steps = seq.steps
+        if seq.pages is not None:
+            counters = seq.pages.close()
+            seq.moved = counters.bytes_moved + sum(
+                kv.n for kv in seq.kv if kv is not None) * self.kv_bytes_per_token_layer * steps
+            stats.decode_select_s = counters.select_s
+            stats.index_build_s = counters.build_s
+            stats.index_recall = counters.recall
+        if steps:
+            stats.decode_s_per_token = seq.decode_s / steps
+            stats.decode_bytes_per_step = seq.moved / steps
+        seq.kv = None     # the context's memory goes now, not with the last reference
+        return Response(seq.tokens, seq.query_logits, seq.step_logits, stats)
+
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,
-               use_shared: bool = False) -> Response:
+               use_shared: bool = False) -> Sequence:
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
                              bytes_read=dict.fromkeys(self.tier_names, 0))
         n_pad = req.n_pad
@@ -393,40 +435,23 @@ class Engine:
                                                  for k, v in new_kv], tenant=req.namespace)
                 stats.store_s = time.perf_counter() - t0
 
-            # 6. decode
-            tokens, step_logits = [first], [logits[-1]]
+            # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
+            seq = Sequence(req, sampler, stats, [first], [logits[-1]],
+                           logits if want_query_logits else None,
+                           position=len(req.prefix) + len(req.query))
             if going and req.max_new_tokens > 1:
-                if req.forced is not None and len(req.forced) < req.max_new_tokens - 1:
-                    raise UserError("forced decoding needs max_new_tokens - 1 tokens")
                 if self.config.decode_over == "full" and match is not None and match.segments:
                     kept = self._full_prefix_context(match.segments, new_kv, stats, n_pad)
                 t0 = time.perf_counter()
-                pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-                position = len(req.prefix) + len(req.query)
-                moved = steps = 0
-                for step in range(req.max_new_tokens - 1):
-                    fed = tokens[-1] if req.forced is None else req.forced[step]
-                    step_logit = self._decode_step(fed, position + step, kept, pages)
-                    step_logits.append(step_logit)
-                    token = sampler.pick(step_logit)
-                    tokens.append(token)
-                    steps += 1
-                    if pages is None:
-                        moved += sum(c[0].shape[1] for c in kept) * self.kv_bytes_per_token_layer
-                    if token in sampler.stop_token_ids or \
-                            (req.on_token is not None and req.on_token(token) is False):
-                        break
-                stats.decode_s_per_token = (time.perf_counter() - t0) / steps
-                if pages is not None:
-                    counters = pages.close()
-                    moved = counters.bytes_moved + sum(
-                        c[0].shape[1] for i, c in enumerate(kept) if not pages.handles(i)) \
-                        * self.kv_bytes_per_token_layer * steps
-                    stats.decode_select_s = counters.select_s
-                    stats.index_build_s = counters.build_s
-                    stats.index_recall = counters.recall
-                stats.decode_bytes_per_step = moved / steps
-            return Response(tokens, logits if want_query_logits else None, step_logits, stats)
+                seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
+                extra = req.max_new_tokens - 1
+                seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
+                          LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
+                          for layer in range(self.math.n_layers)]
+                seq.decode_s = time.perf_counter() - t0
+            else:
+                seq.done = True
+            return seq
         finally:
             if match is not None:
                 self.store.release(match)
@@ -670,32 +695,6 @@ class Engine:
             valid = torch.arange(keys.shape[1], device=self.device) >= n_pad
             kept.append([keys, values, valid[None].expand(keys.shape[0], -1).clone()])
         return kept
-
-    # -- decode -----------------------------------------------------------------------------
-    def _decode_step(self, token: int, position: int, kept, pages=None) -> torch.Tensor:
-        stats = RequestStats()  # weight timings of decode are not part of the request's TTFT
-        hidden = self._embed([token], position + 1, stats)
-        positions = torch.tensor([[position]], device=self.device)
-        rope = self.math.rope(positions, hidden.val.data.dtype)
-        for layer in range(self.math.n_layers):
-            weights = self._weights(1 + 2 * layer, stats)
-            x = hidden.val.data
-            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-            if pages is not None and pages.handles(layer):
-                # Decode-phase policy: the sink, its chosen pages and the window (new token last).
-                ctx = pages.attend_set(layer, q[0, :, 0], k_new[0], v_new[0])
-            else:
-                ctx = kept[layer]
-                ctx[0] = torch.cat([ctx[0], k_new[0]], dim=1)
-                ctx[1] = torch.cat([ctx[1], v_new[0]], dim=1)
-                ctx[2] = torch.cat([ctx[2], torch.ones(ctx[2].shape[0], 1, dtype=torch.bool,
-                                                       device=self.device)], dim=1)
-            attn = self._attend(q, ctx[0], ctx[1], ctx[2], causal_tail=1)
-            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                       self.compute)
-            self._mlp(2 + 2 * layer, hidden, stats)
-        out_w = self._weights(len(self.model.layers) - 1, stats)
-        return self.math.logits(out_w, hidden.val.data[0, -1:])[0].cpu()
 
     # -- layer pieces ---------------------------------------------------------------------
     def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:

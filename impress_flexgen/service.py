@@ -40,6 +40,8 @@ GB = 1 << 30
 MAX_STOP_STRINGS = 4   # as OpenAI's API
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
 
 
@@ -129,6 +131,8 @@ class ServiceConfig:
     store: StoreOptions = StoreOptions()
     queue_size: int = 16                    # requests waiting (the one being served aside)
     timeout_s: float = 600.0                # per request, from its arrival
+    max_batch_size: int = 8                 # requests decoded together (continuous batching)
+    max_batch_tokens: int = 8192            # tokens per step: decode plus prefilled prompts
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -142,6 +146,8 @@ class ServiceConfig:
             raise UserError("the queue must hold at least 1 request")
         if not self.timeout_s > 0:   # inf: no deadline
             raise UserError("the request timeout must be a positive number of seconds")
+        if self.max_batch_size < 1 or self.max_batch_tokens < 1:
+            raise UserError("the batch must hold at least 1 request and 1 token")
         fold = object.__setattr__    # frozen: only here, while the object is being made
         if model is not None:
             fold(self, "runtime", dataclasses.replace(self.runtime, model=model))
@@ -185,7 +191,9 @@ class ServiceConfig:
         runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
                                 placement=args.placement, offload_dir=args.offload_dir,
                                 seed=args.seed, dtype=dtype_arg(args.dtype))
-        return cls(runtime=runtime, run=run, tiers=tiers, store=store, **fields)
+        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens")
+                    if getattr(args, k, None) is not None}
+        return cls(runtime=runtime, run=run, tiers=tiers, store=store, **{**batching, **fields})
 
     def runtime_config(self):
         """The runtime's configuration, leaving room for the tiers."""
@@ -543,7 +551,10 @@ class Service:
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
-        self._running = 0
+        from .scheduler import Scheduler, SchedulerConfig
+
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(
+            config.max_batch_size, config.max_batch_tokens))
         self._layers = [0, 0]          # prefix layers served from the store, of them fallen back
         self._fallbacks_seen = 0       # the engine's shared-pool fallbacks already counted
         self._init_metrics()
@@ -601,9 +612,17 @@ class Service:
         self.m_queue = Gauge("queue_length", "Requests waiting for the engine", namespace=ns,
                              registry=r)
         self.m_queue.set_function(self._queue.qsize)
-        self.m_running = Gauge("requests_running", "Requests in the engine", namespace=ns,
-                               registry=r)
-        self.m_running.set_function(lambda: self._running)
+        self.m_running = Gauge("requests_running", "Requests in the engine (prefilled, "
+                               "decoding)", namespace=ns, registry=r)
+        self.m_running.set_function(lambda: len(self.scheduler.running))
+        self.m_waiting = Gauge("requests_waiting", "Requests waiting: queued, or taken for "
+                               "the next step but not yet admitted", namespace=ns, registry=r)
+        self.m_waiting.set_function(lambda: self._queue.qsize() + len(self.scheduler.waiting))
+        self.m_batch = Histogram("batch_size", "Requests in each decode step", namespace=ns,
+                                 registry=r, buckets=BATCH_BUCKETS)
+        self.m_tpot = Histogram("time_per_output_token_seconds", "Per request, decode time "
+                                "per generated token after the first", namespace=ns,
+                                registry=r, buckets=TPOT_BUCKETS)
         self.m_requests = Counter("requests", "Requests by outcome", ["outcome"], namespace=ns,
                                   registry=r)
         for outcome in OUTCOMES:
@@ -699,20 +718,60 @@ class Service:
         return self.submit(job).future.result()
 
     def _work(self) -> None:
+        """The scheduler loop: take queued tickets while the batch has room (blocking when
+        nothing runs), then one scheduler step (admit, prefill, one decode step)."""
+        sched = self.scheduler
+        closing = False
         while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
+            while not closing and sched.room():
+                try:
+                    ticket = self._queue.get() if not sched.busy else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if ticket is None:
+                    closing = True     # after every queued request: serve them, then stop
+                    break
+                self._admit(ticket)
+            if not sched.busy:
+                if closing:
+                    return
+                continue
+            batch_before = sched.steps
+            sched.step()
+            if sched.steps != batch_before:
+                self.m_batch.observe(sched.last_batch)
+
+    def _admit(self, ticket: Ticket) -> None:
+        """Hand a ticket to the scheduler (or fail it now: cancelled, expired)."""
+        from .scheduler import Work
+
+        try:
+            request, ended = self._request(ticket)
+        except ServiceError as exc:
+            ticket.future.set_exception(exc)
+            return
+        started = time.monotonic()
+
+        def on_done(resp, error) -> None:
             try:
-                ticket.future.set_result(self._serve(ticket))
+                if error is not None:
+                    raise error
+                ticket.future.set_result(self._complete(ticket, resp, ended, started))
             except ServiceError as exc:
                 ticket.future.set_exception(exc)
+            except UserError as exc:
+                self.count("invalid")
+                ticket.future.set_exception(ServiceError(400, str(exc)))
             except Exception as exc:  # noqa: BLE001 - one request failed; keep serving
-                log.exception("request failed")
+                log.error("request failed", exc_info=exc)
                 self.count("error")
                 ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
 
-    def _serve(self, ticket: Ticket) -> Completion:
+        self.scheduler.add(Work(request, on_done))
+
+    def _request(self, ticket: Ticket):
+        """The engine request of a ticket, with its streaming, stop strings, cancellation
+        and deadline in on_token; ServiceError if cancelled or expired while queued."""
         from .engine import Request
 
         job = ticket.job
@@ -726,7 +785,7 @@ class Service:
                                     f"{self.config.timeout_s:g} s timeout", code="timeout",
                                kind="timeout_error")
         stream = TextStream(self.frontend.decode, job.stop, ticket.listener)
-        ended = {}                  # why generation ended early, and when the first token came
+        ended = {"stream": stream}  # why generation ended early, and when the first token came
 
         def on_token(token: int) -> bool:
             ended.setdefault("first", time.monotonic())
@@ -742,15 +801,12 @@ class Service:
             return True
 
         prefix, query = job.split()
-        self._running = 1
-        try:
-            resp = self.engine.serve(Request(prefix, query, job.max_tokens,
-                                             sampling=job.sampling, on_token=on_token))
-        except UserError as exc:
-            self.count("invalid")
-            raise ServiceError(400, str(exc)) from None
-        finally:
-            self._running = 0
+        return Request(prefix, query, job.max_tokens, sampling=job.sampling,
+                       on_token=on_token), ended
+
+    def _complete(self, ticket: Ticket, resp, ended: dict, started: float) -> Completion:
+        job = ticket.job
+        stream = ended["stream"]
         done = time.monotonic()
         tokens = list(resp.tokens)
         reason = ended.get("reason")
@@ -774,6 +830,8 @@ class Service:
                  "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
                  "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens}
         self._observe(ticket, stats, len(tokens), reason)
+        if len(resp.tokens) > 1:
+            self.m_tpot.observe(st.decode_s_per_token)
         return Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens, reason,
                           len(job.ids), stats)
 
