@@ -49,15 +49,15 @@ def _fail_serving_after(monkeypatch, n):
     """The engine fails every request after the first n (as a bad request would)."""
     from impress_flexgen.engine import Engine
 
-    serve, calls = Engine.serve, []
+    start, calls = Engine.start, []
 
-    def failing(self, request):
+    def failing(self, request, *args, **kwargs):
         calls.append(1)
         if len(calls) > n:
             raise UserError("the engine refused this request")
-        return serve(self, request)
+        return start(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "serve", failing)
+    monkeypatch.setattr(Engine, "start", failing)
 
 
 def test_a_failed_rerun_leaves_the_earlier_output_untouched(tmp_path, capsys, monkeypatch):
