@@ -133,7 +133,7 @@ def write_durable(path: str, chunks, total_bytes: int) -> None:
     for _ in range(8):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{next(_tmp_serial)}.tmp"
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, 0o600)     # store files hold prompts' KV: owner only
             break
         except FileExistsError:   # a leftover of a killed process with our pid
             continue

@@ -28,7 +28,7 @@ import numpy as np
 
 log = logging.getLogger("impress_flexgen.metadata")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3      # 3: nodes carry `exact` and `namespace`
 
 _TABLES = {
     "meta": """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
@@ -39,7 +39,9 @@ _TABLES = {
     tokens BLOB NOT NULL,        -- int32 token ids of this edge (whole chunks)
     hits INTEGER NOT NULL DEFAULT 0,
     last_access REAL NOT NULL DEFAULT 0,
-    crc INTEGER                  -- CRC32 of (id, parent, start, tokens)
+    crc INTEGER,                 -- CRC32 of (id, parent, start, tokens[, inexact][, namespace])
+    exact INTEGER NOT NULL DEFAULT 1,    -- 0: KV computed over a selection of its prefix
+    namespace TEXT NOT NULL DEFAULT ''   -- the tenant's key ('': the shared namespace)
 )""",
     "layers": """CREATE TABLE IF NOT EXISTS layers (
     node INTEGER NOT NULL,
@@ -67,6 +69,9 @@ _COLUMNS = {
 }
 
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.kv")
+_NAMESPACE = re.compile(r"(?:[0-9a-f]{32})?")
+# Node columns added by schema 3, with what rows of older stores hold.
+_NODE_COLUMNS_3 = {"exact": "INTEGER NOT NULL DEFAULT 1", "namespace": "TEXT NOT NULL DEFAULT ''"}
 
 
 def valid_file_name(name: str) -> bool:
@@ -150,6 +155,8 @@ class NodeRow:
     last_access: float = 0.0
     valid: bool = True
     problem: str | None = None
+    exact: bool = True
+    namespace: str = ""
 
     def __iter__(self):
         return iter((self.id, self.parent, self.start, self.tokens, self.hits,
@@ -216,8 +223,11 @@ def _crc_bytes(*parts) -> int | None:
     return zlib.crc32(b"".join(out))
 
 
-def node_crc(nid, parent, start, tokens) -> int | None:
-    return _crc_bytes(nid, -1 if parent is None else parent, start, tokens)
+def node_crc(nid, parent, start, tokens, exact=True, namespace="") -> int | None:
+    # The flags join the checksum only when set, so rows of schema 2 keep theirs.
+    extra = (() if exact is True or exact == 1 else ("inexact",)) + \
+        (("namespace", namespace) if namespace else ())
+    return _crc_bytes(nid, -1 if parent is None else parent, start, tokens, *extra)
 
 
 def layer_crc(node, layer, version, file, mapping, crcs) -> int | None:
@@ -350,19 +360,27 @@ class Metadata:
         return True
 
     def _prepare_schema(self) -> None:
-        """Create missing tables and migrate schema 1, in one transaction."""
+        """Create missing tables and migrate schemas 1 and 2, in one transaction."""
         tables = {name for (name,) in self.db.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table'")}
         need_tables = set(_TABLES) - tables
         need_crc = [t for t in ("nodes", "layers") if t in tables and "crc" not in
                     self._columns(t)]
-        if not need_tables and not need_crc and self._meta_value("schema") != 1:
+        need_cols = [c for c in _NODE_COLUMNS_3 if "nodes" in tables
+                     and c not in self._columns("nodes")]
+        old_schema = "meta" in tables and self._meta_value("schema") in (1, 2)
+        if not need_tables and not need_crc and not need_cols and not old_schema:
             return
         with self.transaction():
             for table in sorted(need_tables):
                 self.db.execute(_TABLES[table])
             for table in need_crc:
                 self.db.execute(f"ALTER TABLE {table} ADD COLUMN crc INTEGER")
+            for column in need_cols:
+                # Rows of older stores: exact, in the shared namespace (their checksums
+                # stay valid: node_crc adds only flags that are set).
+                self.db.execute(f"ALTER TABLE nodes ADD COLUMN {column} "
+                                f"{_NODE_COLUMNS_3[column]}")
             if "nodes" in need_crc:
                 self.db.executemany("UPDATE nodes SET crc = ? WHERE id = ?", [
                     (node_crc(nid, parent, start, tokens), nid) for nid, parent, start, tokens
@@ -373,11 +391,14 @@ class Metadata:
                     [(layer_crc(node, layer, version, file, mapping, crcs), node, layer)
                      for node, layer, version, file, mapping, crcs in self.db.execute(
                          "SELECT node, layer, version, file, mapping, crcs FROM layers")])
-            if self._meta_value("schema") == 1 or (not self._is_empty()
-                                                    and self._meta_value("next_node_id") is None):
-                top = self.db.execute("SELECT MAX(id) FROM nodes").fetchone()[0]
-                values = {"next_node_id": (top if isinstance(top, int) else 0) + 1}
-                if self._meta_value("schema") == 1:
+            if old_schema or (not self._is_empty()
+                              and self._meta_value("next_node_id") is None):
+                values = {}
+                if self._meta_value("next_node_id") is None or \
+                        self._meta_value("schema") == 1:
+                    top = self.db.execute("SELECT MAX(id) FROM nodes").fetchone()[0]
+                    values["next_node_id"] = (top if isinstance(top, int) else 0) + 1
+                if old_schema:
                     values["schema"] = SCHEMA_VERSION
                 self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                     [(k, json.dumps(v)) for k, v in values.items()])
@@ -425,11 +446,14 @@ class Metadata:
         return _Transaction(self.db, self.path)
 
     # -- nodes ----------------------------------------------------------------------------
-    def add_node(self, parent: int | None, start: int, tokens: np.ndarray) -> int:
+    def add_node(self, parent: int | None, start: int, tokens: np.ndarray, exact: bool = True,
+                 namespace: str = "") -> int:
         """Insert a node under a fresh id (never one used before, even by a deleted node)."""
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"not a namespace key: {namespace!r}")
         if not self.db.in_transaction:
             with self.transaction():
-                return self.add_node(parent, start, tokens)
+                return self.add_node(parent, start, tokens, exact, namespace)
         blob = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
         with self._guard:
             counter = self._meta_value("next_node_id")
@@ -438,8 +462,11 @@ class Metadata:
                       else 1,
                       (top if isinstance(top, int) else 0) + 1, self._next_floor)
             self.db.execute(
-                "INSERT INTO nodes (id, parent, start, tokens, crc) VALUES (?, ?, ?, ?, ?)",
-                (nid, parent, int(start), blob, node_crc(nid, parent, int(start), blob)))
+                "INSERT INTO nodes (id, parent, start, tokens, crc, exact, namespace) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (nid, parent, int(start), blob,
+                 node_crc(nid, parent, int(start), blob, bool(exact), namespace),
+                 int(bool(exact)), namespace))
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('next_node_id', ?)",
                             (json.dumps(nid + 1),))
         self._next_floor = nid + 1
@@ -447,15 +474,15 @@ class Metadata:
 
     def set_parent(self, node: int, parent: int | None) -> None:
         with self._guard:
-            row = self.db.execute("SELECT parent, start, tokens, crc FROM nodes WHERE id = ?",
-                                  (node,)).fetchone()
+            row = self.db.execute("SELECT parent, start, tokens, crc, exact, namespace "
+                                  "FROM nodes WHERE id = ?", (node,)).fetchone()
             if row is None:
                 return
-            old_parent, start, tokens, crc = row
+            old_parent, start, tokens, crc, exact, namespace = row
             # Re-sign only a row that verified: a damaged one must stay detectably damaged.
-            new = node_crc(node, parent, start, tokens) \
-                if crc is not None and node_crc(node, old_parent, start, tokens) == crc \
-                else None
+            new = node_crc(node, parent, start, tokens, exact, namespace) \
+                if crc is not None and \
+                node_crc(node, old_parent, start, tokens, exact, namespace) == crc else None
             self.db.execute("UPDATE nodes SET parent = ?, crc = ? WHERE id = ?",
                             (parent, new, node))
 
@@ -467,15 +494,18 @@ class Metadata:
     def nodes(self):
         """NodeRow per node, by id; rows that fail their checks come with valid=False."""
         with self._guard:
-            rows = self.db.execute("SELECT id, parent, start, tokens, hits, last_access, crc "
-                                   "FROM nodes ORDER BY id").fetchall()
-        for nid, parent, start, tokens, hits, last, crc in rows:
+            rows = self.db.execute("SELECT id, parent, start, tokens, hits, last_access, crc, "
+                                   "exact, namespace FROM nodes ORDER BY id").fetchall()
+        for nid, parent, start, tokens, hits, last, crc, exact, namespace in rows:
             problem = None
             if crc is None:
                 problem = "no row checksum"
             elif not isinstance(tokens, bytes):
                 problem = "damaged tokens type"
-            elif node_crc(nid, parent, start, tokens) != crc:
+            elif exact not in (0, 1) or isinstance(exact, float) or \
+                    not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+                problem = "bad exact flag or namespace"
+            elif node_crc(nid, parent, start, tokens, exact, namespace) != crc:
                 problem = "row checksum mismatch"
             elif len(tokens) % 4:
                 problem = f"tokens blob of {len(tokens)} bytes"
@@ -490,7 +520,8 @@ class Metadata:
             yield NodeRow(nid, parent, start, arr,
                           hits if isinstance(hits, int) else 0,
                           float(last) if isinstance(last, (int, float)) else 0.0,
-                          problem is None, problem)
+                          problem is None, problem, exact == 1,
+                          namespace if isinstance(namespace, str) else "")
 
     def touch_nodes(self, rows: list[tuple[int, float, int]]) -> None:
         with self._guard:

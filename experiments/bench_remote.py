@@ -14,6 +14,9 @@ query (so a shared machine's drift falls on all alike):
   redis only    the prefix ONLY in that shared Redis pool (a redis-server this benchmark
                 starts on a free loopback port): each query is served by a fresh engine
                 whose local store is empty, so every chunk comes from the pool;
+  redis cluster (--no-cluster leaves it out) the same, from a Redis Cluster of three masters
+                on loopback (redis+cluster://...): the pool's values copied there byte for
+                byte, so it serves the very bytes the local disk holds;
   impress disk  (--no-impress leaves it out) the store's own policy from the local disk:
                 whole chunks chosen by the probe on an importance-reordered layout.
 
@@ -45,10 +48,12 @@ from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serving import RunConfig, prepared
 from impress_flexgen.store.shared import chunk_hashes
+from impress_flexgen.tiers.remote import RemoteNamespace
 from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies import ServingConfig, make_policy
 
 RECOMPUTE, DISK, REDIS, IMPRESS = "recompute", "local disk", "redis only", "impress disk"
+CLUSTER = "redis cluster"
 TIER_NAMES = ("gpu", "cpu", "disk", "remote")
 
 
@@ -65,6 +70,7 @@ def parse_args(argv):
     p.add_argument("--chunk-size", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.25, help="impress row's retention")
     p.add_argument("--no-impress", action="store_true", help="leave the impress row out")
+    p.add_argument("--no-cluster", action="store_true", help="leave the cluster row out")
     p.add_argument("--threads", type=int, default=2, help="torch threads (every row alike)")
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
     p.add_argument("--offload-dir", help="FlexGen's offload dir (default: the cache's)")
@@ -85,6 +91,44 @@ def parse_args(argv):
     if not 0 < args.retention <= 1:
         p.error("--retention must be in (0, 1]")
     return args
+
+
+@contextlib.contextmanager
+def redis_cluster(binary: str | None):
+    """A private 3-master Redis Cluster on loopback ports, stopped after."""
+    from tests.redis_cluster import RedisCluster
+
+    try:
+        cluster = RedisCluster(3, server=binary).start()
+    except RuntimeError as exc:
+        raise UserError(f"cannot start a Redis Cluster: {exc}") from None
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def copy_pool(url: str, cluster_url: str) -> int:
+    """Every pool key of the server at `url` into the cluster, completion markers last."""
+    from impress_flexgen.tiers.remote import RedisTier
+
+    ns = RemoteNamespace("copy", 1, 1, 1, "float16", 16)
+    target = RedisTier(cluster_url, ns)
+    try:
+        client = target._client
+        with redis.Redis.from_url(url) as source:
+            keys = sorted(source.scan_iter(match=b"ifkv:*", count=1000),
+                          key=lambda k: k.endswith(b":done"))
+            for i in range(0, len(keys), 256):
+                batch = keys[i:i + 256]
+                pipe = client.pipeline(transaction=False)
+                for k, v in zip(batch, source.mget(batch)):
+                    if v is not None:
+                        pipe.set(k, v)
+                pipe.execute()
+        return len(keys)
+    finally:
+        target.close()
 
 
 @contextlib.contextmanager
@@ -110,8 +154,10 @@ def redis_server(binary: str | None):
 class Ways:
     """The engines of one prefix, each able to serve a query and say what it did."""
 
-    def __init__(self, rt: Runtime, wl, args, url: str, root: Path, stack: contextlib.ExitStack):
+    def __init__(self, rt: Runtime, wl, args, url: str, root: Path, stack: contextlib.ExitStack,
+                 cluster_url: str | None = None):
         self.rt, self.wl, self.args, self.url, self.root = rt, wl, args, url, root
+        self.cluster_url = cluster_url
         self.prefix = wl.prefixes[0]
         cs = args.chunk_size
         recomp = make_policy("recomp", ServingConfig(retention=1.0))
@@ -134,6 +180,8 @@ class Ways:
             raise UserError(f"the Redis pool holds {held} of the prefix's {want} chunks "
                             f"(writer: {pool.tier.metrics()})")
         self.writer_metrics = pool.tier.metrics()
+        if cluster_url is not None:
+            copy_pool(url, cluster_url)
         self.direct_io = self.disk.store.reader.direct
         self.impress = None
         if not args.no_impress:
@@ -143,7 +191,8 @@ class Ways:
                                   chunk_size=cs), TierSizes(), store_root=root))
 
     def names(self) -> list[str]:
-        return [RECOMPUTE, DISK, REDIS] + ([IMPRESS] if self.impress else [])
+        return [RECOMPUTE, DISK, REDIS] + ([CLUSTER] if self.cluster_url else []) + \
+            ([IMPRESS] if self.impress else [])
 
     def serve(self, name: str, query: list[int]):
         req = Request(self.prefix, query, 1)
@@ -153,16 +202,16 @@ class Ways:
             return self.disk.engine.serve(req)
         if name == IMPRESS:
             return self.impress.engine.serve(req)
-        return self._from_pool_only(req)
+        return self._from_pool_only(req, self.cluster_url if name == CLUSTER else self.url)
 
-    def _from_pool_only(self, req: Request):
+    def _from_pool_only(self, req: Request, url: str):
         """A fresh engine over an empty local store and the pool: every chunk from Redis."""
         with scratch.directory(self.root, "reader") as work:
             cfg = self.full_run.serving()
             policy = make_policy("full", cfg)
             store = open_store(Path(work) / "store", self.rt, cfg, policy,
                                **self.full_run.store_options())
-            engine = Engine(self.rt, store, policy, TierSizes(remote_url=self.url))
+            engine = Engine(self.rt, store, policy, TierSizes(remote_url=url))
             try:
                 resp = engine.serve(req)
             finally:
@@ -174,7 +223,8 @@ class Ways:
         return resp
 
 
-def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path) -> list[dict]:
+def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path,
+                   cluster=None) -> list[dict]:
     wl = build_workload(rt.tokenizer, WorkloadConfig(
         n_prefixes=1, prefix_tokens=n_tokens, queries_per_prefix=args.queries,
         query_tokens=args.query_tokens))
@@ -183,9 +233,12 @@ def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path) -> li
     # empty pool, so its writer computes and writes every chunk itself.
     with redis.Redis.from_url(url) as client:
         client.flushdb()
+    if cluster is not None:
+        cluster.flush()
     seen: dict[str, list] = {}
     with contextlib.ExitStack() as stack:
-        ways = Ways(rt, wl, args, url, root, stack)
+        ways = Ways(rt, wl, args, url, root, stack,
+                    cluster.url if cluster is not None else None)
         names = ways.names()
         for qi, query in enumerate(queries):
             # Rotate the order per query: no way always runs first (cold) or last.
@@ -224,16 +277,20 @@ def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
                 float((r.step_logits[0] - b.step_logits[0]).abs().max())
                 for r, b in zip(resps, base)),
         }
-        if name == REDIS and DISK in seen:
+        if name in (REDIS, CLUSTER) and DISK in seen:
             disk = seen[DISK]
             row["first_token_equals_local_disk"] = all(r.tokens[0] == d.tokens[0]
                                                        for r, d in zip(resps, disk))
             row["max_logit_diff_vs_local_disk"] = max(
                 float((r.step_logits[0] - d.step_logits[0]).abs().max())
                 for r, d in zip(resps, disk))
+            disk_ttft = [d.stats.ttft_s for d in disk]
+            row["ttft_vs_local_disk"] = statistics.median(ttft) / statistics.median(disk_ttft)
+            row["ttft_vs_local_disk_paired"] = statistics.median(
+                t / d for t, d in zip(ttft, disk_ttft))
         if name in (DISK, IMPRESS):
             row["direct_io"] = extra["direct_io"]
-        if name == REDIS:
+        if name in (REDIS, CLUSTER):
             row["writer_pool_metrics"] = extra["writer_pool_metrics"]
         rows.append(row)
     return rows
@@ -269,7 +326,7 @@ def _fs_type(path: Path) -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'prefix':>7} {'way':<13}{'TTFT med s':>11}{'/recomp':>9}{'disk MB':>9}"
+    print(f"{'prefix':>7} {'way':<14}{'TTFT med s':>11}{'/recomp':>9}{'/disk':>7}{'disk MB':>9}"
           f"{'remote MB':>10}{'pool tok':>9}  first token = recompute")
     for r in rows:
         mb = r["bytes_read_per_request"]
@@ -277,8 +334,9 @@ def print_table(rows: list[dict]) -> None:
         if "first_token_equals_local_disk" in r:
             same += f" (= local disk: {'yes' if r['first_token_equals_local_disk'] else 'NO'}," \
                     f" logits diff {r['max_logit_diff_vs_local_disk']:.1e})"
-        print(f"{r['prefix_tokens']:>7} {r['way']:<13}{r['ttft_median_s']:>11.3f}"
-              f"{r['ttft_vs_recompute']:>9.3f}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
+        vs_disk = f"{r['ttft_vs_local_disk']:>7.2f}" if "ttft_vs_local_disk" in r else " " * 7
+        print(f"{r['prefix_tokens']:>7} {r['way']:<14}{r['ttft_median_s']:>11.3f}"
+              f"{r['ttft_vs_recompute']:>9.3f}{vs_disk}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
               f"{r['shared_tokens']:>9.0f}  {same}")
 
 
@@ -291,9 +349,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         with redis_server(args.redis_server) as server, \
+                (contextlib.nullcontext() if args.no_cluster
+                 else redis_cluster(args.redis_server)) as cluster, \
                 Runtime(RuntimeConfig(model=args.model, offload_dir=args.offload_dir)) as rt:
             for n in args.prefix_tokens:
-                rows += measure_prefix(rt, n, args, server.url, root)
+                rows += measure_prefix(rt, n, args, server.url, root, cluster)
             env = environment(args, rt, server, root)
     finally:
         torch.set_num_threads(threads)

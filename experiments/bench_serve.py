@@ -2,6 +2,11 @@
 
     python -m experiments.bench_serve [--model smollm2-135m] [--quick] [--json PATH]
 
+Then continuous batching (experiments.batching_load): 1, 2, 4, 8 and 16 concurrent clients,
+with a shared prefix and with distinct prefixes, batched (--max-batch-size) against one
+request at a time (max batch size 1), in the same run; the JSON's `batching` list holds a
+row per prefix kind x clients x batch size.
+
 The workload is what a chat deployment sees: one long shared system prompt (a passage of a
 public-domain book to answer questions about), several conversations on it, each growing by
 a user question and the model's answer per turn; every request sends the whole history.
@@ -146,10 +151,28 @@ def parse_args(argv):
                    help="CPU tier capacity as a fraction of the workload's KV bytes (0.25)")
     p.add_argument("--store-root", help="where the temporary stores go (default: temp dir)")
     p.add_argument("--json", metavar="PATH")
+    b = p.add_argument_group("batching")
+    b.add_argument("--batching-clients", default="1,2,4,8,16",
+                   help="concurrent client counts (1,2,4,8,16; --quick: 1,4; empty: skip)")
+    b.add_argument("--max-batch-size", type=int_range(1), default=8, help="(8)")
+    b.add_argument("--requests-per-client", type=int_range(1), default=3, help="(3)")
+    b.add_argument("--batch-max-tokens", type=int_range(2), default=32,
+                   help="tokens generated per request (32)")
+    b.add_argument("--batch-prompt-chars", type=int_range(50), default=2000,
+                   help="characters of book text in each prompt (2000)")
     args = p.parse_args(argv)
     if args.quick:
         args.system_chars, args.conversations, args.turns = 600, 2, 2
         args.clients, args.max_tokens = 2, 4
+        args.requests_per_client, args.batch_max_tokens, args.batch_prompt_chars = 2, 16, 600
+        if args.batching_clients == "1,2,4,8,16":
+            args.batching_clients = "1,4"
+    try:
+        args.client_counts = [int(x) for x in args.batching_clients.split(",") if x]
+    except ValueError:
+        p.error(f"--batching-clients: comma-separated integers (got {args.batching_clients!r})")
+    if any(n < 1 for n in args.client_counts):
+        p.error("--batching-clients: every count must be at least 1")
     from policies import POLICY_NAMES
 
     args.policy_list = [x for x in args.policies.split(",") if x]
@@ -200,8 +223,17 @@ def main(argv=None) -> int:
             results.append(row)
             print(f"{policy}: TTFT mean {row['ttft_mean_s']:.3f} s, P99 "
                   f"{row['ttft_p99_s']:.3f} s, {row['requests_per_s']:.2f} req/s", flush=True)
+        batching = []
+        if args.client_counts:
+            from experiments.batching_load import batching_rows, print_batching
+
+            batching = batching_rows(rt, args.model, root, args.client_counts,
+                                     args.max_batch_size, args.requests_per_client,
+                                     args.batch_max_tokens, args.batch_prompt_chars)
     print_table(results)
-    write_json(args.json, {"model": args.model, "workload": {
+    if batching:
+        print_batching(batching)
+    write_json(args.json, {"model": args.model, "batching": batching, "workload": {
         "system_prompt_tokens": len(rt.tokenizer.encode(system)),
         "conversations": args.conversations, "turns": args.turns, "clients": args.clients,
         "max_tokens": args.max_tokens, "gpu_tier_bytes": gpu, "cpu_tier_bytes": cpu},

@@ -172,7 +172,7 @@ def _record(resp, plan_row: bool) -> dict:
            "load_s": float(st.load_s), "probe_s": float(st.probe_s)}
     if plan_row:
         out.update(plan=st.plan, split_chunks=int(st.plan_split),
-                   predicted_ttft_s=float(st.predicted_ttft_s))
+                   predicted_ttft_s=float(st.predicted_ttft_s), plan_reason=st.plan_reason)
     return out
 
 

@@ -180,9 +180,10 @@ def placement_arg(text: str):
 
 
 def remote_url_arg(text: str) -> str:
-    """--remote-tier: a Redis url (redis://HOST:PORT/DB, rediss://..., unix://PATH), checked
-    here by the remote tier's own rules, so that a bad one is a usage error."""
-    from .tiers.remote import validate_url
+    """--remote-tier: a Redis url (redis://HOST:PORT/DB, rediss://..., unix://PATH, or a
+    cluster's redis+cluster://HOST:PORT,...), checked here by the remote tier's own rules, so
+    that a bad one is a usage error."""
+    from .tiers.remote_url import validate_url
 
     try:
         validate_url(text)
@@ -264,12 +265,25 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                    metavar="redis://HOST:PORT/DB",
                    help="a shared pool of prefix KV on Redis/Valkey behind the disk, shared "
                         "by every server pointed at it; one that does not answer is a warning "
-                        "and requests are served locally (default: none)")
+                        "and requests are served locally; redis+cluster://HOST:PORT,HOST:PORT "
+                        "for a Redis or Valkey cluster (default: none)")
+    t.add_argument("--remote-secret", default=None, metavar="SECRET",
+                   help="a secret shared by every server of the pool: values then carry an "
+                        "HMAC-SHA256 and a value written without it is refused (default: the "
+                        "IMPRESS_REMOTE_SECRET environment variable; none: a CRC-32)")
+    t.add_argument("--remote-ttl", type=int_range(1), default=None, metavar="SECONDS",
+                   help="the pool forgets a chunk this long after writing it (default: kept "
+                        "until Redis evicts it)")
     t.add_argument("--store-dir", metavar="DIR",
                    help="the prefix store (default: the user cache directory); reused by "
                         "later runs")
     t.add_argument("--placement", type=placement_arg, default="auto",
                    help=PLACEMENT_HELP + " (default auto)")
+    g.add_argument("--max-batch-size", type=int_range(1), default=8, metavar="N",
+                   help="requests decoded together; new ones join between steps (8)")
+    g.add_argument("--max-batch-tokens", type=int_range(1), default=8192, metavar="N",
+                   help="tokens per step: one per running request plus the prompts "
+                        "prefilled in it; a lone prompt is always taken (8192)")
     return g, t
 
 

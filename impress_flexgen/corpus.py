@@ -11,11 +11,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import sys
 from pathlib import Path
 
 from impress_flexgen.errors import UserError
 
-TEXTS_DIR = Path(__file__).resolve().parents[1] / "data" / "texts"
+
+def _texts_dir() -> Path:
+    """data/texts/ of a checkout; an installed package (`pip install .`) carries the same
+    files under <prefix>/share/impress_flexgen/texts."""
+    checkout = Path(__file__).resolve().parents[1] / "data" / "texts"
+    installed = Path(sys.prefix) / "share" / "impress_flexgen" / "texts"
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+TEXTS_DIR = _texts_dir()
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 

@@ -14,6 +14,7 @@ dtype and device. Read bandwidth is learnt per tier from the reads themselves (E
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 import platform
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
@@ -139,32 +141,121 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _load_cache(path: Path, key: str) -> PrefillCurve | None:
-    """The cached curve for `key`, or None when absent, for another key, or unreadable."""
+# A calibration is a few hundred bytes; anything much larger is not one.
+MAX_CACHE_BYTES = 1 << 20
+# A plausible curve's 1,024-token prefill: above a microsecond, below an hour.
+_PLAUSIBLE_S = (1e-6, 3600.0)
+# A cached curve must reproduce its own measured points within this factor (median).
+_POINTS_FACTOR = 3.0
+
+
+def read_small_file(path: Path, limit: int = MAX_CACHE_BYTES) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes.
+
+    Opened without blocking (a FIFO or a device in the file's place would stall the
+    reader), checked by fstat on the open descriptor (no race with a swap), read to at
+    most limit + 1 bytes. FileNotFoundError when absent; ValueError for anything else
+    that is not a small regular file."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than {limit}")
+        parts, total = [], 0
+        while total <= limit:
+            part = os.read(fd, limit + 1 - total)
+            if not part:
+                break
+            parts.append(part)
+            total += len(part)
+        if total > limit:
+            raise ValueError(f"more than {limit} bytes")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def implausible(curve: PrefillCurve, points=None) -> str | None:
+    """Why `curve` cannot be this machine's prefill time (None: it can).
+
+    A curve without per-token work predicts a 4k-token prefill to cost what one token
+    does (every plan would recompute); one far outside any machine's speed, or far from
+    the points it was fitted to, was not measured here (or was edited)."""
+    if curve.b <= 0 and curve.c <= 0:
+        return "no per-token cost"
+    lo, hi = _PLAUSIBLE_S
+    t = curve.predict(1024, 0)
+    if not lo <= t <= hi:
+        return f"a 1,024-token prefill predicted at {t:.3g} s"
+    if points:
+        ratios = []
+        for point in points:
+            n, ctx, seconds = point
+            if n >= 1 and ctx >= 0 and seconds > 0:
+                ratios.append(curve.predict(int(n), int(ctx)) / float(seconds))
+        if ratios:
+            r = float(np.median(ratios))
+            if not 1 / _POINTS_FACTOR <= r <= _POINTS_FACTOR:
+                return f"{r:.3g}x the points it was fitted to"
+    return None
+
+
+def _points(doc) -> list[tuple[int, int, float]]:
+    raw = doc.get("points", [])
+    if not isinstance(raw, list):
+        raise ValueError("points is not a list")
+    out = []
+    for p in raw:
+        if not (isinstance(p, list) and len(p) == 3 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in p)):
+            raise ValueError("a point is not [n, ctx, seconds]")
+        out.append((int(p[0]), int(p[1]), float(p[2])))
+    return out
+
+
+def _load_cache(path: Path, key: str) -> PrefillCurve | None:
+    """The cached curve for `key`, or None when absent, for another key, unreadable,
+    malformed or implausible (the last three with a warning: measured again)."""
+    try:
+        doc = json.loads(read_small_file(path).decode("utf-8"))
         if not isinstance(doc, dict) or doc.get("version") != CACHE_VERSION \
                 or doc.get("key") != key:
             return None
         coef = doc["coef"]
-        if not (isinstance(coef, list) and len(coef) == 3):
+        if not (isinstance(coef, list) and len(coef) == 3 and
+                not any(isinstance(v, bool) for v in coef)):
             raise ValueError("coef is not a list of 3 numbers")
-        return PrefillCurve(*coef)
+        curve = PrefillCurve(*coef)
+        why = implausible(curve, _points(doc))
+        if why is not None:
+            raise ValueError(f"implausible coefficients {coef}: {why}")
+        return curve
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring prefill calibration cache %s (%s): measuring again", path, exc)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: deeply nested JSON. UnicodeDecodeError is a ValueError.
+        log.warning("ignoring prefill calibration cache %s (%s): measuring again", path,
+                    str(exc)[:200])
         return None
 
 
 def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
-    """Atomically (tmp + os.replace); a cache that cannot be written is only a warning."""
+    """Atomically (a new temporary file, fsynced, then os.replace): a reader sees the old
+    file or the whole new one. A cache that cannot be written is only a warning."""
     doc = {"version": CACHE_VERSION, "key": key,
            "points": [[n, ctx, s] for n, ctx, s in points], "coef": curve.coef}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(doc, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not write prefill calibration cache %s: %s", path, exc)
@@ -177,34 +268,44 @@ def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
 def calibrate(measure: Callable[[int, int], float],
               points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
               cache_path: Path | None = None, key: str = "", repeats: int = 2,
-              budget_s: float | None = None) -> PrefillCurve:
+              budget_s: float | None = None, use_cache: bool = True,
+              announce=None) -> PrefillCurve:
     """Fit a PrefillCurve to measure(n, ctx) -> seconds at each point (min of `repeats`).
 
     With cache_path, a cache written for the same `key` (see machine_key) is used without
-    measuring; a missing, foreign or corrupt one is measured again and rewritten.
+    measuring (unless use_cache is False: measured again and rewritten, as when the
+    planner finds the cached curve far off); a missing, foreign, corrupt or implausible
+    one is measured again and rewritten.
     budget_s: points are measured cheapest first, and once three are in, a point whose
     predicted cost would take the calibration past `budget_s` seconds is left out (a slow
     machine starts in seconds, with a curve fitted on shorter prefills). None: every point.
+    announce: a context manager factory (progress.step) wrapped round the measuring, which
+    a cache hit skips.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if cache_path is not None:
         cache_path = Path(cache_path)
+    if cache_path is not None and use_cache:
         cached = _load_cache(cache_path, key)
         if cached is not None:
             return cached
-    measured = []
-    spent = 0.0
-    order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
-    for n, ctx in order:
-        if budget_s is not None and len(measured) >= 3:
-            guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
-            if spent + guess > budget_s:
-                continue
-        # The min: noise (other work, page faults) only ever adds time.
-        runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
-        spent += sum(runs)
-        measured.append((int(n), int(ctx), min(runs)))
+    budget = "" if budget_s is None else f", at most {budget_s:g} s"
+    with (announce(f"calibrating the prefill cost curve ({len(points)} points{budget}; "
+                   "cached for the next start)") if announce is not None
+          else contextlib.nullcontext()):
+        measured = []
+        spent = 0.0
+        order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
+        for n, ctx in order:
+            if budget_s is not None and len(measured) >= 3:
+                guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
+                if spent + guess > budget_s:
+                    continue
+            # The min: noise (other work, page faults) only ever adds time.
+            runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
+            spent += sum(runs)
+            measured.append((int(n), int(ctx), min(runs)))
     curve = PrefillCurve.fit(measured)
     if cache_path is not None:
         _write_cache(cache_path, key, measured, curve)

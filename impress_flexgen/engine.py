@@ -21,7 +21,10 @@ For each request:
               logits of the other query positions, when asked for, come after);
   5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
               shared pool (write-through, in the background);
-  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix).
+  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix):
+              `start` returns a Sequence after 1-5, `step` advances a batch of sequences by
+              one token each (batch_runner), `finish` makes the response; `serve` does all
+              three for one request, a scheduler interleaves many (scheduler).
 """
 from __future__ import annotations
 
@@ -45,9 +48,12 @@ from .errors import UserError
 from .models.base import dense
 from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
+from .batch_runner import BatchRunner
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
-from .store import CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
+from .sequence import LayerKV, Sequence
+from .store import (CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig,
+                    StoreWriteFailed, model_fingerprint)
 from .store.readahead import LayerLoader, ReadAhead
 from .prefix_plan import ContextKV, PrefixPlanner
 from .store.shared import SharedMiss, shared_pool
@@ -73,7 +79,10 @@ class Request:
     # Called with each new token as it is produced (the first included, a stop token not);
     # returning False ends generation there (stop strings, a client gone, a deadline).
     on_token: Callable[[int], bool] | None = None
-    namespace: str = ""     # whose stored prefixes the request may match and fill
+    # Whose cache this request reads and fills: requests of different namespaces never
+    # share stored prefix KV (the server derives it from the API key and cache_salt; ""
+    # is the default, shared namespace).
+    namespace: str = ""
 
 
 @dataclasses.dataclass
@@ -106,7 +115,14 @@ class RequestStats:
     plan: str = "load"
     plan_split: int = 0
     predicted_ttft_s: float = 0.0
+    # Why: "predicted", "explore" (tried again to measure it), "forced" (configured) or
+    # "no-match" (nothing stored to plan over).
+    plan_reason: str = "no-match"
     shared_tokens: int = 0       # prefix tokens whose KV came from the shared pool
+    # The new KV is what full attention over the whole prefix gives: False when a layer
+    # attended to a selection of the stored prefix, or loaded KV that was itself such.
+    # Inexact KV is stored flagged (exact readers never match it), never shared.
+    exact: bool = True
     # Decode. Bytes per step: K + V of the pages a decode-phase policy copied to the compute
     # device; for the other policies, the whole attended context (what a cache kept off the
     # device would have to move each step).
@@ -146,6 +162,8 @@ class TierSizes:
     exclusive: bool = True
     verify_hits: bool = False    # CRC-check every tier hit (promotions always are)
     remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
+    remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
+    remote_ttl: int | None = None  # seconds the pool keeps a chunk (None: until evicted)
 
 
 class FamilyMath:
@@ -189,9 +207,14 @@ class FamilyMath:
         return F.linear(h, w_token.data).float()
 
 
-def model_shape(spec) -> ModelShape:
+def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
+    """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
+    the weights' content, the compute and KV dtypes, the chunk size and the layout."""
     m = FamilyMath(spec)
-    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim)
+    digest = getattr(spec, "weights_digest", "")
+    fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
+        if digest else ""
+    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)
 
 
 def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -218,7 +241,7 @@ def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
                             reorder_interval=reorder_interval if policy.reorder else 0,
                             direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
                             reorder_by=reorder_by, read_limit_mb_s=read_limit_mb_s)
-    return PrefixStore(directory, model_shape(runtime.spec), store_cfg)
+    return PrefixStore(directory, model_shape(runtime.spec, chunk_size), store_cfg)
 
 
 class Engine:
@@ -258,11 +281,15 @@ class Engine:
         self.shared = None
         self.shared_fallbacks = 0
         if tiers.remote_url and store is not None and policy.reuse:
-            self.shared = shared_pool(tiers.remote_url, store, self.dtype)
+            self.shared = shared_pool(
+                tiers.remote_url, store, self.dtype, secret=tiers.remote_secret,
+                ttl_s=tiers.remote_ttl, recompute_s=lambda n, ctx: None if self.planner is None
+                else self.planner.cost().compute_s(n, ctx))
         self.tier_names = TierConfig().names(remote=self.shared is not None)
         self.max_positions = runtime.spec.config.max_seq_len
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
             self.planner = PrefixPlanner(self)
+        self.runner = BatchRunner(self)
 
     def close(self) -> None:
         """Stop the shared pool's threads (the store and runtime are closed by their owner)."""
@@ -271,12 +298,25 @@ class Engine:
 
     # -- the request ------------------------------------------------------------------------
     def serve(self, request: Request, query_logits: bool = False) -> Response:
+        """One request alone, from radix match to its last token."""
+        with self._serving:
+            seq = self.start(request, query_logits)
+            while not seq.done:
+                self.step([seq])
+            return self.finish(seq)
+
+    def start(self, request: Request, query_logits: bool = False) -> Sequence:
+        """The prefill step of a request (match, plan, load, compute, first token, store):
+        a sequence for decode steps, `done` when the first token was also the last."""
         if not request.query:
             raise UserError("a request needs at least one query token")
         if request.max_new_tokens < 1:
             raise UserError("max_new_tokens must be at least 1")
         if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
             raise UserError("n_pad must leave at least one real prefix token")
+        if request.forced is not None and request.max_new_tokens > 1 and \
+                len(request.forced) < request.max_new_tokens - 1:
+            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
         if request.on_token is not None:
             request = dataclasses.replace(request, on_token=_Relay(request.on_token))
         use_shared = self.shared is not None
@@ -291,14 +331,38 @@ class Engine:
                 # Never serve corrupt KV: take the node out of service and recompute.
                 self.store.quarantine(exc.node, str(exc))
             except SharedMiss as exc:
-                # The pool lost a chunk it had: serve from the local tiers alone.
-                log.warning("shared pool: %s; serving without it", exc)
+                # The pool lost a chunk it had (no longer marked held): serve again with what
+                # it still holds whole, publishing the rest back; then without it.
+                log.warning("shared pool: %s; serving again", exc)
                 self.shared_fallbacks += 1
-                use_shared = False
+                use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
 
+    def step(self, seqs: list[Sequence]) -> None:
+        """One decode step: the next token of every sequence (none of them done), with
+        each layer's weights used once for all of them."""
+        with self._serving:
+            self.runner.step(seqs)
+
+    def finish(self, seq: Sequence) -> Response:
+        """The response of a sequence (done, or given up by its caller)."""
+        stats = seq.stats
+        steps = seq.steps
+        if seq.pages is not None:
+            counters = seq.pages.close()
+            seq.moved = counters.bytes_moved + sum(
+                kv.n for kv in seq.kv if kv is not None) * self.kv_bytes_per_token_layer * steps
+            stats.decode_select_s = counters.select_s
+            stats.index_build_s = counters.build_s
+            stats.index_recall = counters.recall
+        if steps:
+            stats.decode_s_per_token = seq.decode_s / steps
+            stats.decode_bytes_per_step = seq.moved / steps
+        seq.kv = None     # the context's memory goes now, not with the last reference
+        return Response(seq.tokens, seq.query_logits, seq.step_logits, stats)
+
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,
-               use_shared: bool = False) -> Response:
+               use_shared: bool = False) -> Sequence:
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
                              bytes_read=dict.fromkeys(self.tier_names, 0))
         n_pad = req.n_pad
@@ -309,13 +373,15 @@ class Engine:
         try:
             # 1. match
             if use_store:
-                match = self.store.match_prefix(req.prefix)
+                # An exact reader never sees KV computed over a selection of a prefix.
+                match = self.store.match_prefix(req.prefix, namespace=req.namespace,
+                                                exact_only=self.policy.exact_reads)
             segments_nodes = match.segments if match else []
             matched = sum(u for _, u in segments_nodes)
             stats.matched_tokens = matched
             stats.match_s = time.perf_counter() - t_start
             # The prefix tokens right after the matched ones may be in the shared pool.
-            given = self.shared.open(req.prefix, matched, stats) \
+            given = self.shared.open(req.prefix, matched, stats, tenant=req.namespace) \
                 if use_shared and use_store else None
             n_given = given.n_tokens if given is not None else 0
             new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
@@ -354,53 +420,38 @@ class Engine:
                     try:
                         self.store.insert(req.prefix, matched,
                                           [(k[:, :n_prefix_new], v[:, :n_prefix_new])
-                                           for k, v in new_kv])
+                                           for k, v in new_kv],
+                                          namespace=req.namespace, exact=stats.exact)
                     except StoreWriteFailed as exc:
                         log.warning("prefix not stored: %s", exc)
                     else:
-                        if use_shared:
+                        if use_shared and stats.exact:
                             # Durable here first; then shared (write-through, in the
-                            # background): the chunks the pool did not give us.
+                            # background): the chunks the pool did not give us. Only
+                            # exact KV is shared: the pool keeps no flag.
                             self.shared.publish(req.prefix, matched + n_given,
                                                 [(k[:, n_given:n_prefix_new],
                                                   v[:, n_given:n_prefix_new])
-                                                 for k, v in new_kv])
+                                                 for k, v in new_kv], tenant=req.namespace)
                 stats.store_s = time.perf_counter() - t0
 
-            # 6. decode
-            tokens, step_logits = [first], [logits[-1]]
+            # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
+            seq = Sequence(req, sampler, stats, [first], [logits[-1]],
+                           logits if want_query_logits else None,
+                           position=len(req.prefix) + len(req.query))
             if going and req.max_new_tokens > 1:
-                if req.forced is not None and len(req.forced) < req.max_new_tokens - 1:
-                    raise UserError("forced decoding needs max_new_tokens - 1 tokens")
                 if self.config.decode_over == "full" and match is not None and match.segments:
                     kept = self._full_prefix_context(match.segments, new_kv, stats, n_pad)
                 t0 = time.perf_counter()
-                pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-                position = len(req.prefix) + len(req.query)
-                moved = steps = 0
-                for step in range(req.max_new_tokens - 1):
-                    fed = tokens[-1] if req.forced is None else req.forced[step]
-                    step_logit = self._decode_step(fed, position + step, kept, pages)
-                    step_logits.append(step_logit)
-                    token = sampler.pick(step_logit)
-                    tokens.append(token)
-                    steps += 1
-                    if pages is None:
-                        moved += sum(c[0].shape[1] for c in kept) * self.kv_bytes_per_token_layer
-                    if token in sampler.stop_token_ids or \
-                            (req.on_token is not None and req.on_token(token) is False):
-                        break
-                stats.decode_s_per_token = (time.perf_counter() - t0) / steps
-                if pages is not None:
-                    counters = pages.close()
-                    moved = counters.bytes_moved + sum(
-                        c[0].shape[1] for i, c in enumerate(kept) if not pages.handles(i)) \
-                        * self.kv_bytes_per_token_layer * steps
-                    stats.decode_select_s = counters.select_s
-                    stats.index_build_s = counters.build_s
-                    stats.index_recall = counters.recall
-                stats.decode_bytes_per_step = moved / steps
-            return Response(tokens, logits if want_query_logits else None, step_logits, stats)
+                seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
+                extra = req.max_new_tokens - 1
+                seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
+                          LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
+                          for layer in range(self.math.n_layers)]
+                seq.decode_s = time.perf_counter() - t0
+            else:
+                seq.done = True
+            return seq
         finally:
             if match is not None:
                 self.store.release(match)
@@ -411,12 +462,15 @@ class Engine:
         mode = self.config.plan
         if not segments_nodes or mode == "load":
             stats.plan, stats.plan_split = "load", 0
+            stats.plan_reason = "forced" if segments_nodes else "no-match"
             return 0
         if mode == "recompute":
             stats.plan, stats.plan_split = "recompute", matched // self.store.config.chunk_size
+            stats.plan_reason = "forced"
             return matched
         plan = self.planner.choose(mode, segments_nodes, matched, n_new)
         stats.plan, stats.plan_split = plan.mode, plan.split_chunks
+        stats.plan_reason = getattr(plan, "reason", "predicted")
         stats.predicted_ttft_s = plan.predicted_s
         return plan.split_chunks * self.store.config.chunk_size
 
@@ -571,7 +625,11 @@ class Engine:
         attended = 0
         for si, seg in enumerate(segments):
             ids = chosen[si]
+            if firsts[si] < seg.used and not getattr(seg.node, "exact", True):
+                stats.exact = False       # loaded KV that was itself computed sparsely
             if len(ids) == 0:
+                if stats.exact and not self._covers(seg, firsts[si], n_pad, None, None):
+                    stats.exact = False
                 continue
             rows, logical = tokens_of_chunks(seg, ids, firsts[si])
             ks += self._rows(loaded[si]["k"], rows)
@@ -582,6 +640,8 @@ class Engine:
                 mask = np.asarray(plan.attend[si])[:, logical]
             if n_pad:
                 mask = mask & (seg.start + logical >= n_pad)[None]
+            if stats.exact and not self._covers(seg, firsts[si], n_pad, logical, mask):
+                stats.exact = False
             masks.append(mask)
             attended += int(mask.any(axis=0).sum())
             if self.store is not None:
@@ -592,6 +652,18 @@ class Engine:
         mask = np.concatenate(masks, axis=1) if masks else \
             np.zeros((self.math.n_kv_head, 0), dtype=bool)
         return ks, vs, torch.from_numpy(mask).to(self.device)
+
+    @staticmethod
+    def _covers(seg, first: int, n_pad: int, logical, mask) -> bool:
+        """Does every KV head attend every (unpadded) prefix token of `seg` from `first` on?
+        (Not: the new KV is approximate.)"""
+        if first >= seg.used:
+            return True
+        seen = np.zeros(seg.used, dtype=bool)
+        seen[:max(0, min(seg.used, n_pad - seg.start))] = True     # padding: never attended
+        if logical is not None:
+            seen[logical[mask.all(axis=0)]] = True
+        return bool(seen[first:].all())
 
     def _rows(self, chunks: list[torch.Tensor], rows: np.ndarray) -> list[torch.Tensor]:
         """Loaded chunks, concatenated, keep the rows holding prefix tokens: as pieces on
@@ -623,32 +695,6 @@ class Engine:
             valid = torch.arange(keys.shape[1], device=self.device) >= n_pad
             kept.append([keys, values, valid[None].expand(keys.shape[0], -1).clone()])
         return kept
-
-    # -- decode -----------------------------------------------------------------------------
-    def _decode_step(self, token: int, position: int, kept, pages=None) -> torch.Tensor:
-        stats = RequestStats()  # weight timings of decode are not part of the request's TTFT
-        hidden = self._embed([token], position + 1, stats)
-        positions = torch.tensor([[position]], device=self.device)
-        rope = self.math.rope(positions, hidden.val.data.dtype)
-        for layer in range(self.math.n_layers):
-            weights = self._weights(1 + 2 * layer, stats)
-            x = hidden.val.data
-            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-            if pages is not None and pages.handles(layer):
-                # Decode-phase policy: the sink, its chosen pages and the window (new token last).
-                ctx = pages.attend_set(layer, q[0, :, 0], k_new[0], v_new[0])
-            else:
-                ctx = kept[layer]
-                ctx[0] = torch.cat([ctx[0], k_new[0]], dim=1)
-                ctx[1] = torch.cat([ctx[1], v_new[0]], dim=1)
-                ctx[2] = torch.cat([ctx[2], torch.ones(ctx[2].shape[0], 1, dtype=torch.bool,
-                                                       device=self.device)], dim=1)
-            attn = self._attend(q, ctx[0], ctx[1], ctx[2], causal_tail=1)
-            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                       self.compute)
-            self._mlp(2 + 2 * layer, hidden, stats)
-        out_w = self._weights(len(self.model.layers) - 1, stats)
-        return self.math.logits(out_w, hidden.val.data[0, -1:])[0].cpu()
 
     # -- layer pieces ---------------------------------------------------------------------
     def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:

@@ -70,14 +70,23 @@ class Placement:
                             "W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU")
         if not all(np.isfinite(values)):
             raise UserError(f"placement percentages must be finite: {values}")
-        p = cls(*values)
+        return cls(*values).check()
+
+    def check(self) -> "Placement":
+        """This placement if FlexGen can run it, else UserError (one line)."""
+        p = self
         for what, gpu, cpu in (("weights", p.w_gpu, p.w_cpu), ("cache", p.cache_gpu, p.cache_cpu),
                                ("activations", p.act_gpu, p.act_cpu)):
-            if min(gpu, cpu) < 0 or gpu + cpu > 100:
+            if not (np.isfinite(gpu) and np.isfinite(cpu)) or min(gpu, cpu) < 0 \
+                    or gpu + cpu > 100:
                 raise UserError(f"placement of {what}: GPU {gpu:g}% + CPU {cpu:g}% must be "
                                 "non-negative and at most 100%")
         if 100 not in (p.act_gpu, p.act_cpu, 100 - p.act_gpu - p.act_cpu):
             raise UserError("activations must live wholly on one device (FlexGen's rule)")
+        if p.act_gpu + p.act_cpu == 0:
+            # FlexGen's disk copies cannot move a layer's hidden states: it fails mid-run.
+            raise UserError("activations cannot live on disk: give ACT_GPU or ACT_CPU 100 "
+                            f"(placement {','.join(f'{v:g}' for v in p.percentages)})")
         return p
 
     @property
@@ -419,7 +428,7 @@ def make_plan(spec, cfg, resources: Resources | None = None) -> Plan:
     gpu_reserve, cpu_reserve = cfg.gpu_reserve_bytes, cfg.cpu_reserve_bytes
     auto = isinstance(cfg.placement, AutoPlacement)
     placement = _choose(fp, res, heads, batch, gpu_reserve, cpu_reserve) if auto \
-        else cfg.placement
+        else cfg.placement.check()
     if placement is None:
         raise UserError(_no_fit(spec, fp, res))
     weights, staged = fp.weights_on(placement.w_gpu, placement.w_cpu)

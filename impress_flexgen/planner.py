@@ -9,7 +9,7 @@ so compute and I/O overlap except for one layer's worth of the shorter:
 
 With C the prefill curve, T tokens per chunk and q new tokens, for a split m:
 
-    compute(m) = C(m*T + q, kept[m]) + select
+    compute(m) = C(m*T, 0) + C(q, m*T + kept[m]) - a + select
     io(m)      = IO[m] + probe
     both(m)    = overlap(compute(m), io(m)),   recompute = C(n*T + q, 0)
 
@@ -17,8 +17,9 @@ IO[m]: seconds of the chunk reads left when the first m chunks are recomputed, k
 prefix tokens past the front the new tokens attend to (what the policy keeps of them),
 select and probe: the policy's scoring and probe reads, paid once whatever part loads (it
 scores the whole stored prefix). The front is recomputed in the same pass as the new
-tokens, one dense masked product over all their keys: its tokens cost the whole context,
-not only each other (unlike Cake's), which makes a split dearer the longer the prefix.
+tokens but attends over its own keys only (a product of its own, m*T by m*T), while the
+new tokens attend over the kept tokens, the front and themselves: one pass, so the curve's
+per-call term a is paid once.
 both(0) is load and both(n) is recompute, so the three are one curve over m in [0, n]; the
 plan takes its minimum (the least recomputed on a tie, and an interior split only when it
 wins by BOTH_MARGIN).
@@ -44,6 +45,9 @@ class Plan:
     split_chunks: int    # m: chunks recomputed from the front (0: load, n: recompute)
     predicted_s: float   # predicted seconds of the chosen plan
     predicted: dict      # {"recompute": s, "load": s, "both": s (best interior m)}
+    # Why this plan: "predicted" (the cheapest), "explore" (tried again to measure it),
+    # "forced" (the plan was configured), "no-match" (nothing stored to plan over).
+    reason: str = "predicted"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,12 @@ def split_compute(cost: CostModel, prefix: PrefixCosts, m: int) -> float:
     T, q = prefix.chunk_tokens, prefix.query_tokens
     if m >= prefix.n_chunks:
         return cost.compute_s(prefix.n_chunks * T + q, 0)
-    return cost.compute_s(m * T + q, prefix.kept_after[m])
+    front = m * T
+    rest = cost.compute_s(q, front + prefix.kept_after[m])
+    if front == 0 or q == 0:
+        return rest + cost.compute_s(front, 0)
+    # Two products in one pass: the per-call term counted once.
+    return cost.compute_s(front, 0) + rest - cost.prefill.a
 
 
 def split_costs(cost: CostModel, prefix: PrefixCosts) -> list[float]:

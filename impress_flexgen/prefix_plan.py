@@ -20,11 +20,20 @@ recomputing its front spares few reads. The policy's scoring is learned as secon
 policy's bookkeeping) is learned as one correction per plan, the ratio of measured to
 predicted time to first token, applied to the prediction reported (not to the choice:
 see choose()). Every learned figure is a median of the last few requests.
+
+The planner recovers from a calibration that is wrong (taken while the machine was busy, or
+a cache from another time): when the measured prefill of FAR_COUNT requests in a row is
+more than FAR times off the calibrated curve (beyond what the speed factor absorbs), or
+their time to first token is that far off the prediction, the curve is measured again in
+the background (one point at a time, between requests) and the cache rewritten. And a plan
+not chosen for EXPLORE_AFTER requests is tried once when its prediction is within
+EXPLORE_MARGIN of the chosen one's, so that its cost is measured again. Every plan says
+why it was chosen (Plan.reason): predicted, explore or forced.
 """
 from __future__ import annotations
 
 import hashlib
-import os
+import logging
 import threading
 from collections import deque
 from pathlib import Path
@@ -34,6 +43,7 @@ import torch
 
 from policies import Segment
 
+from . import paths, progress
 from .costs import DEFAULT_POINTS, Bandwidth, CostModel, calibrate, machine_key
 from .planner import Plan, PrefixCosts, choose_plan, split_compute
 from .tiers.chain import DISK, REMOTE
@@ -45,11 +55,18 @@ _MODES = ("load", "recompute", "both")
 # past it (on a 2-core CPU every point of smollm2-135m takes two minutes). None: all.
 CALIBRATION_BUDGET_S: float | None = 20.0
 _MIN_COMPUTE_S = 0.02   # shorter prefills say more about timer noise than machine speed
+# Recalibrate when FAR_COUNT requests in a row were more than FAR times off (the speed
+# factor absorbs up to 4x), at most once per RECALIBRATE_EVERY requests.
+FAR, FAR_COUNT, RECALIBRATE_EVERY = 4.0, 3, 50
+# Try a plan again after EXPLORE_AFTER requests without it, if predicted within the margin.
+EXPLORE_AFTER, EXPLORE_MARGIN = 20, 0.5
+
+log = logging.getLogger("impress_flexgen.planner")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("IMPRESS_FLEXGEN_CACHE") or Path.home() / ".cache" /
-                "impress_flexgen")
+    """Where calibrations are cached: the one cache root (paths.cache_dir)."""
+    return paths.cache_dir()
 
 
 class _Learned:
@@ -93,21 +110,69 @@ class PrefixPlanner:
         self.budget_s: float | None = CALIBRATION_BUDGET_S
         self._cost: CostModel | None = None
         self._lock = threading.Lock()
+        # Recovery: requests planned, when each plan was last chosen (auto), how many
+        # requests in a row were far off, the background recalibration and its count.
+        self.requests = 0
+        self._last_chosen = dict.fromkeys(_MODES, 0)
+        self._far = 0
+        self._calm_until = 0
+        self._generation = 0
+        self._recalibration: threading.Thread | None = None
+        self.recalibrations = 0
+        self.explored = 0
 
     # -- the cost model -----------------------------------------------------------------
     def cost(self) -> CostModel:
         """The cost model, calibrated on first use (a few short prefills, or the cache)."""
         with self._lock:
             if self._cost is None:
-                e = self.engine
-                key = machine_key(e.rt.spec.name, e.device, e.dtype)
-                name = hashlib.sha256(key.encode()).hexdigest()[:16]
-                key += f";budget={self.budget_s}"
-                curve = calibrate(e.measure_prefill, self.points,
-                                  cache_dir() / "costs" / f"{name}.json", key=key,
-                                  budget_s=self.budget_s)
-                self._cost = CostModel(curve, self.bandwidth, e.math.n_layers)
+                self._cost = CostModel(self._calibrate(use_cache=True), self.bandwidth,
+                                       self.engine.math.n_layers)
             return self._cost
+
+    def _calibrate(self, use_cache: bool):
+        e = self.engine
+        key = machine_key(e.rt.spec.name, e.device, e.dtype)
+        name = hashlib.sha256(key.encode()).hexdigest()[:16]
+        key += f";budget={self.budget_s}"
+        return calibrate(e.measure_prefill, self.points, cache_dir() / "costs" / f"{name}.json",
+                         key=key, budget_s=self.budget_s, use_cache=use_cache,
+                         announce=progress.step)
+
+    def recalibrate(self, wait: bool = False) -> None:
+        """Measure the prefill curve again in the background (the engine's requests go on:
+        each point takes the engine between two of them) and rewrite the cache; what was
+        learned against the old curve starts over. One at a time; wait: join it."""
+        with self._lock:
+            if self._recalibration is None or not self._recalibration.is_alive():
+                self._recalibration = threading.Thread(
+                    target=self._recalibrate, name="planner-recalibration", daemon=True)
+                self._recalibration.start()
+            thread = self._recalibration
+        if wait:
+            thread.join()
+
+    def wait_recalibration(self, timeout: float | None = None) -> bool:
+        """Wait for a recalibration under way; True when none is (any more)."""
+        thread = self._recalibration
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def _recalibrate(self) -> None:
+        try:
+            curve = self._calibrate(use_cache=False)
+        except Exception as exc:   # a closed engine, a failed prefill: keep the old curve
+            log.warning("planner recalibration failed (%s): keeping the current curve", exc)
+            return
+        with self._lock:
+            self._cost = CostModel(curve, self.bandwidth, self.engine.math.n_layers)
+            self.speed = _Learned(1.0, prior_weight=2)
+            self.correction = {m: _Learned(1.0, prior_weight=2) for m in _MODES}
+            self._generation += 1
+            self._far = 0
+            self.recalibrations += 1
+        log.info("planner recalibrated: prefill curve %s", curve)
 
     def disk_bandwidth(self) -> float:
         """The disk's learned bandwidth, never above the store's read limit (a known
@@ -129,14 +194,37 @@ class PrefixPlanner:
         now = CostModel(cost.prefill.scaled(self.speed.value), cost.bandwidth, cost.n_layers)
         prefix = self.prefix_costs(segments_nodes, matched, n_new)
         plan = choose_plan(mode, now, prefix)
+        reason = "predicted" if mode == "auto" else "forced"
+        self.requests += 1
+        if mode == "auto":
+            tried = self._explore(plan, now, prefix)
+            if tried is not None:
+                plan, reason = tried, "explore"
+                self.explored += 1
+            self._last_chosen[plan.mode] = self.requests
         # What observe() compares the request with: this plan's prefill (on the curve as
         # calibrated) and its prediction before the plan's correction. One engine serves
         # one request at a time, so the next observe() is this request's.
         self._chosen = (plan.mode, plan.split_chunks,
-                        split_compute(cost, prefix, plan.split_chunks), plan.predicted_s)
+                        split_compute(cost, prefix, plan.split_chunks), plan.predicted_s,
+                        self._generation)
         f = {m: c.value for m, c in self.correction.items()}
         return Plan(plan.mode, plan.split_chunks, plan.predicted_s * f[plan.mode],
-                    {k: v * f[k] for k, v in plan.predicted.items()})
+                    {k: v * f[k] for k, v in plan.predicted.items()}, reason)
+
+    def _explore(self, plan: Plan, now: CostModel, prefix: PrefixCosts) -> Plan | None:
+        """Another plan, not chosen for EXPLORE_AFTER requests and predicted within
+        EXPLORE_MARGIN of `plan`: tried once, so that a cost the model has wrong is seen."""
+        for mode in _MODES:
+            if mode == plan.mode or self.requests - self._last_chosen[mode] < EXPLORE_AFTER:
+                continue
+            other = choose_plan(mode, now, prefix)
+            if other.mode != mode:     # both without an interior split
+                continue
+            if other.predicted_s <= plan.predicted_s * (1 + EXPLORE_MARGIN):
+                return other
+            self._last_chosen[mode] = self.requests   # too dear now: ask again later
+        return None
 
     def prefix_costs(self, segments_nodes, matched: int, n_new: int) -> PrefixCosts:
         """What loading each part of the matched prefix would cost (planner.PrefixCosts)."""
@@ -207,11 +295,28 @@ class PrefixPlanner:
         chosen, self._chosen = self._chosen, None
         if chosen is None or chosen[:2] != (stats.plan, stats.plan_split):
             return       # not the plan this planner chose (a retry, another caller)
-        _, _, compute, raw = chosen
+        _, _, compute, raw, generation = chosen
+        if generation != self._generation:
+            return       # predicted on a curve since replaced
+        far = False
         if compute > _MIN_COMPUTE_S and stats.compute_s > 0:
-            self.speed.observe(float(np.clip(stats.compute_s / compute, 0.25, 4.0)))
+            ratio = stats.compute_s / compute
+            far = not 1 / FAR <= ratio <= FAR
+            self.speed.observe(float(np.clip(ratio, 0.25, 4.0)))
         if raw > 0 and stats.ttft_s > 0:
-            self.correction[stats.plan].observe(float(np.clip(stats.ttft_s / raw, 0.5, 2.0)))
+            ratio = stats.ttft_s / raw
+            # Milliseconds say more about per-request overheads than about the curve.
+            far = far or (max(raw, stats.ttft_s) > _MIN_COMPUTE_S and
+                          not 1 / FAR <= ratio <= FAR)
+            self.correction[stats.plan].observe(float(np.clip(ratio, 0.5, 2.0)))
+        self._far = self._far + 1 if far else 0
+        if self._far >= FAR_COUNT and self.requests >= self._calm_until:
+            # The curve is off beyond what the speed factor absorbs: measure it again.
+            self._far = 0
+            self._calm_until = self.requests + RECALIBRATE_EVERY
+            log.warning("planner predictions %d requests in a row more than %gx off: "
+                        "recalibrating in the background", FAR_COUNT, FAR)
+            self.recalibrate()
 
     def snapshot(self) -> dict:
         """What the planner has learned so far (for reports)."""
@@ -220,7 +325,8 @@ class PrefixPlanner:
                 "select_s_per_token_pair": self.select_rate.value,
                 "speed": self.speed.value,
                 "correction": {m: c.value for m, c in self.correction.items()},
-                "observed": {m: c.count for m, c in self.correction.items()}}
+                "observed": {m: c.count for m, c in self.correction.items()},
+                "recalibrations": self.recalibrations, "explored": self.explored}
 
 
 class ContextKV:

@@ -4,6 +4,10 @@ Every edge holds a multiple of C tokens, so a match, a split and a node's data a
 chunk boundaries. Two children of a node always differ within their first chunk (a common
 first chunk would have been split into a shared parent), so children are keyed by it.
 The tree holds structure only; the store owns files and metadata.
+
+Each namespace (a tenant) has its own root: requests of different namespaces never share a
+node. A node is `exact` when its KV, and that of every node above it, was computed with
+full attention over the prefix; an exact-only match stops before the first node that is not.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ class RadixNode:
     # The nodes a split replaced this one with: pinned for as long as this one is, so a
     # request's matched tokens stay stored until it releases them.
     successors: list = dataclasses.field(default_factory=list)
+    exact: bool = True              # see the module docstring
+    namespace: str = ""             # the store's key of its tenant ("" : the shared one)
 
     @property
     def n_tokens(self) -> int:
@@ -66,19 +72,47 @@ class PrefixMatch:
 class RadixTree:
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
-        self.root = RadixNode(id=0, parent=None, start=0, tokens=np.zeros(0, dtype=np.int32))
+        self.roots: dict[str, RadixNode] = {}
+        self.root = self.root_of("")
         self.nodes: dict[int, RadixNode] = {}
 
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def match_prefix(self, tokens) -> PrefixMatch:
+    def root_of(self, namespace: str) -> RadixNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = RadixNode(
+                id=0, parent=None, start=0, tokens=np.zeros(0, dtype=np.int32),
+                namespace=namespace)
+        return root
+
+    def is_root(self, node: RadixNode | None) -> bool:
+        return node is not None and node.id == 0 and self.roots.get(node.namespace) is node
+
+    def next_child(self, tokens, match: PrefixMatch, namespace: str = "") -> RadixNode | None:
+        """The node a match of `tokens` would continue into (the one it stopped in or
+        before), or None."""
         tokens = np.asarray(tokens, dtype=np.int32)
         c = self.chunk_size
-        node, pos, segments = self.root, 0, []
-        while pos + c <= len(tokens):
+        if match.segments:
+            last, used = match.segments[-1]
+            if used < last.n_tokens:
+                return last
+            parent, pos = last, last.end
+        else:
+            parent, pos = self.roots.get(namespace), 0
+        if parent is None or pos + c > len(tokens):
+            return None
+        return parent.children.get(tuple(tokens[pos:pos + c].tolist()))
+
+    def match_prefix(self, tokens, namespace: str = "", exact_only: bool = False) -> PrefixMatch:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        c = self.chunk_size
+        node, pos, segments = self.roots.get(namespace), 0, []
+        while node is not None and pos + c <= len(tokens):
             child = node.children.get(tuple(tokens[pos:pos + c].tolist()))
-            if child is None:
+            if child is None or (exact_only and not child.exact):
                 break
             n = min(child.n_tokens, (len(tokens) - pos) // c * c)
             same = child.tokens[:n] == tokens[pos:pos + n]
@@ -90,7 +124,7 @@ class RadixTree:
         return PrefixMatch(segments)
 
     def attach(self, node: RadixNode) -> None:
-        parent = node.parent or self.root
+        parent = node.parent or self.root_of(node.namespace)
         node.parent = parent
         key = node.key(self.chunk_size)
         if key in parent.children and parent.children[key] is not node:
@@ -99,7 +133,7 @@ class RadixTree:
         self.nodes[node.id] = node
 
     def detach(self, node: RadixNode) -> None:
-        parent = node.parent or self.root
+        parent = node.parent or self.root_of(node.namespace)
         if parent.children.get(node.key(self.chunk_size)) is node:
             del parent.children[node.key(self.chunk_size)]
         self.nodes.pop(node.id, None)
@@ -108,7 +142,7 @@ class RadixTree:
     def replace(self, old: RadixNode, new_nodes: list[RadixNode]) -> None:
         """Swap `old` for a chain of nodes covering the same tokens (a split): the first
         takes old's place under its parent, old's children move under the last."""
-        parent = old.parent or self.root
+        parent = old.parent or self.root_of(old.namespace)
         self.detach(old)
         prev = parent
         for node in new_nodes:
@@ -121,7 +155,7 @@ class RadixTree:
 
     def path_to(self, node: RadixNode) -> list[RadixNode]:
         path = []
-        while node is not None and node is not self.root:
+        while node is not None and not self.is_root(node):
             path.append(node)
             node = node.parent
         return path[::-1]

@@ -5,6 +5,7 @@
     python -m impress_flexgen.run --model opt-30b --placement 0,100,0,100,100,0 --quick
     python -m impress_flexgen.run --prompt "It is a truth"   # plain generation, no store
     python -m impress_flexgen.run --requests in.jsonl --output out.jsonl   # through the store
+    python -m impress_flexgen.run --requests batch.jsonl --output out.jsonl --resume
 
 Requests are (prefix, query) pairs cut from public-domain books: a few long prefixes, each
 reused by several queries. The prefix KV lives in a store on local disk (reused by the next
@@ -15,11 +16,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import defaults
 from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                   int_range, run_main, write_json)
 from .errors import UserError
 
 GB = 1 << 30
+WORKLOAD_MAX_NEW_TOKENS = 8     # the paper workload's; request files use defaults.MAX_TOKENS
 
 
 def parse_args(argv):
@@ -31,8 +34,10 @@ def parse_args(argv):
     g.add_argument("--compare", metavar="A,B,...", help="serve the same workload with each policy")
     g.add_argument("--check", action="store_true",
                    help="also serve with full KV and report agreement (KL, top-1) with it")
-    g.add_argument("--max-new-tokens", type=int_range(1), default=8,
-                   help="tokens generated per query")
+    g.add_argument("--max-new-tokens", type=int_range(1), default=None,
+                   help=f"tokens generated per query (default {WORKLOAD_MAX_NEW_TOKENS}; for a "
+                        f"request file: where a request sets no max_tokens, default "
+                        f"{defaults.MAX_TOKENS})")
     w = p.add_argument_group("workload")
     w.add_argument("--prefixes", type=int_range(1), default=4, help="distinct shared prefixes (4)")
     w.add_argument("--prefix-tokens", type=int_range(1), default=1024,
@@ -58,11 +63,19 @@ def parse_args(argv):
                      help="serve your own requests through the store, one JSON object a line: "
                           '{"prompt": TEXT} or {"messages": [{"role", "content"}, ...]} or '
                           '{"prompt_ids": [IDS]}, optionally with max_tokens (default '
-                          "--max-new-tokens), temperature (default 0: greedy), top_p, seed, "
-                          "stop (a string or a list) and id")
+                          f"{defaults.MAX_TOKENS}), temperature (default "
+                          f"{defaults.TEMPERATURE:g}; 0: greedy), top_p (default "
+                          f"{defaults.TOP_P:g}), seed, stop (a string or a list) and id; or "
+                          "OpenAI batch lines (custom_id, method, url, body) as vllm run-batch "
+                          "reads them")
     gen.add_argument("--output", metavar="OUT.jsonl",
-                     help="with --requests: write one JSON line per request (id, text, "
-                          "token_ids, finish_reason, stats) here")
+                     help="with --requests: write one JSON line per request here (plain: id, "
+                          "text, token_ids, finish_reason, stats; batch: OpenAI's batch output "
+                          "lines), in input order; the file is replaced only once the run is "
+                          "complete")
+    gen.add_argument("--resume", action="store_true",
+                     help="with --output: keep the results already in OUT.jsonl and serve "
+                          "only the requests whose id is not there yet")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.quick:
@@ -83,6 +96,13 @@ def parse_args(argv):
             p.error("--prompt-ids is empty: give at least one token id")
     if args.output is not None and args.requests is None:
         p.error("--output goes with --requests")
+    if args.resume and args.output is None:
+        p.error("--resume goes with --output (it continues an earlier --output)")
+    # A request file's own default (shared by every entry point) applies where no
+    # --max-new-tokens is given; the built-in workload keeps its own.
+    args.request_max_tokens = args.max_new_tokens
+    if args.max_new_tokens is None:
+        args.max_new_tokens = WORKLOAD_MAX_NEW_TOKENS
     if args.requests is not None and (args.compare or args.check):
         p.error("--requests serves with one --policy (no --compare or --check)")
     names = args.compare.split(",") if args.compare else [args.policy]
@@ -105,26 +125,24 @@ def main(argv=None) -> int:
     cfg = config.runtime_config()
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
-    tokenizer = jobs = output = None
+    tokenizer = requests = results = None
     if args.prompt or args.requests:
-        from .tokenizer import load_tokenizer
+        from .runtime import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
     if args.prompt:
         args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
     store_root = None
     if args.requests is not None:
-        from .service import Frontend, read_requests
-
-        jobs = read_requests(args.requests, Frontend(spec, tokenizer, args.chunk_size),
-                             args.max_new_tokens)
-        claim_store_root(config.store.root_for(spec.name))
-        output = open_output(args.output)
+        requests, results, todo = open_request_file(args, spec, tokenizer)
+        if not todo:
+            return 0
+        claim_store_root(config.store.root_for(spec, args.chunk_size))
     elif args.prompt_token_ids is not None:
         check_prompts(spec, args.prompt_token_ids, args.max_new_tokens)
     else:
         check_workload(spec, args)
-        store_root = config.store.root_for(spec.name)
+        store_root = config.store.root_for(spec, args.chunk_size)
         claim_store_root(store_root)
     with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"
@@ -132,8 +150,8 @@ def main(argv=None) -> int:
         print(f"model {rt.spec.name} ({rt.spec.family}, {rt.spec.config.dtype.__name__}, "
               f"{device}), weights {weights}, built in {rt.load_s:.1f} s")
         print(f"placement: {rt.placement.describe()}")
-        if jobs is not None:
-            return serve_requests(rt, config, args, jobs, output)
+        if requests is not None:
+            return serve_requests(rt, config, args, requests, results, todo)
         if store_root is None:
             return generate(rt, args)
         return serve(rt, args, store_root)
@@ -237,7 +255,8 @@ def claim_store_root(root: Path) -> None:
         if root.is_dir() and any(root.iterdir()) and not (root / STORE_ROOT_MARK).exists():
             raise UserError(f"--store-dir {root} is not empty and was not made by "
                             "impress_flexgen; choose an empty or new directory")
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.exists():
+            root.mkdir(mode=0o700, parents=True)     # stores hold prompts: owner only
         (root / STORE_ROOT_MARK).touch()
     except OSError as exc:
         raise UserError(f"cannot use --store-dir {root}: {exc.strerror or exc}") from None
@@ -288,72 +307,160 @@ def print_summary(results, check: bool) -> None:
           "served)")
 
 
-def open_output(path: str | None):
-    """The --output file, opened before the model is built (a bad path fails early)."""
-    if path is None:
-        return None
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+def open_request_file(args, spec, tokenizer):
+    """Before the model is built: the output path checked (and, with --resume, the ids
+    already in it read), then every line of the request file. (requests, results or None,
+    how many requests are left to serve)."""
+    from .request_files import RequestFile
+    from .results_file import ResultsFile
+    from .service import Frontend
+
+    results = None if args.output is None else \
+        ResultsFile(args.output, args.requests, resume=args.resume)
+    requests = RequestFile(args.requests, Frontend(spec, tokenizer, args.chunk_size),
+                           max_tokens=args.request_max_tokens)
+    todo = requests.check(results.ids if results is not None else frozenset())
+    if not todo:
+        print(f"all {results.kept} requests of {args.requests} are already in {args.output}; "
+              "nothing to serve")
+    return requests, results, todo
 
 
-def serve_requests(rt, config, args, jobs, output) -> int:
-    """Serve a request file's jobs in order through the store; one output line each."""
-    import json
+class _Totals:
+    """Running totals of what a request file's run served (memory does not grow with the
+    file, but for 8 bytes of TTFT per request)."""
+
+    def __init__(self):
+        from array import array
+
+        from .serving import PLAN_KINDS
+
+        self.served = self.errors = self.matched = self.prompt = self.shared = 0
+        self.ttft = array("d")
+        self.plans = dict.fromkeys(PLAN_KINDS, 0)
+
+    def add(self, done) -> None:
+        from .tiers import REMOTE
+
+        s = done.stats
+        self.served += 1
+        self.matched += s["matched_tokens"]
+        self.prompt += done.prompt_tokens
+        self.shared += s["bytes_read"].get(REMOTE, 0)
+        self.ttft.append(s["ttft_s"])
+        if s["plan"] in self.plans:
+            self.plans[s["plan"]] += 1
+
+
+def serve_requests(rt, config, args, requests, results, todo: int) -> int:
+    """Serve a request file's jobs through the store, a window of them in flight (the
+    service's queue: requests run together where the service batches them), and write one
+    result line each in input order. The output is replaced only at the end."""
+    import collections
 
     import numpy as np
     from tqdm import tqdm
 
+    from .request_files import batch_record
     from .service import Service, ServiceError
-    from .serving import PLAN_KINDS
-    from .tiers import REMOTE
 
-    records = []
+    totals = _Totals()
+    kept = [] if args.json and results is None else None   # --json holds them without --output
+    model = rt.spec.name
+    window: collections.deque = collections.deque()        # (entry, ticket or None)
+    depth = max(1, config.queue_size)
+
+    def show(entry, done, error) -> None:
+        if error is not None:
+            tqdm.write(f"--- {entry.id}: error {error.status}: {error.message}")
+            return
+        s = done.stats
+        tqdm.write(f"--- {entry.id}: {done.prompt_tokens} prompt tokens "
+                   f"({s['matched_tokens']} from the store, {s['shared_tokens']} from the "
+                   f"shared pool; plan {s['plan'] or '-'}), {done.completion_tokens} new "
+                   f"({done.finish_reason}), TTFT {s['ttft_s']:.3f} s")
+        tqdm.write(f"+++ {done.text}")
+
+    def settle(bar) -> None:
+        """The oldest request in flight: wait for it, write its line."""
+        entry, ticket = window.popleft()
+        done, error = None, entry.error
+        if ticket is not None:
+            try:
+                done = ticket.future.result()
+            except ServiceError as exc:
+                if not requests.batch:
+                    raise UserError(f"request {entry.id} ({requests.path} line {entry.line}): "
+                                    f"{exc.message}") from None
+                error = exc
+        if done is not None:
+            totals.add(done)
+        else:
+            totals.errors += 1
+        record = batch_record(entry, model, done, error) if requests.batch else done.record()
+        if results is not None:
+            results.write(record)
+        else:
+            show(entry, done, error)
+        if kept is not None:
+            kept.append(record)
+        bar.update(1)
+
+    def submit(service, job, bar):
+        while True:
+            try:
+                return service.submit(job)
+            except ServiceError as exc:
+                if exc.status != 429 or not window:
+                    raise UserError(f"request {job.id or '-'}: {exc.message}") from None
+                settle(bar)     # the service holds fewer than the window: wait for one
+
+    ok = False
     try:
+        if results is not None:
+            results.start()
         # Every line was checked already; a request file waits as long as its requests take.
         with Service(config, runtime=rt, tokenizer=rt.tokenizer) as service:
             for line in service.describe_serving():   # model, placement: above
                 print(line)
             for warning in service.warnings:
                 print(f"python -m impress_flexgen.run: warning: {warning}", file=sys.stderr)
-            with tqdm(total=len(jobs), desc="requests", unit="req", disable=None) as bar:
-                for job in jobs:
-                    try:
-                        done = service.complete(job)
-                    except ServiceError as exc:
-                        raise UserError(f"request {job.id}: {exc.message}") from None
-                    record = done.record()
-                    records.append(record)
-                    if output is not None:
-                        output.write(json.dumps(record) + "\n")
-                        output.flush()
-                    else:
-                        s = done.stats
-                        tqdm.write(f"--- {job.id}: {done.prompt_tokens} prompt tokens "
-                                   f"({s['matched_tokens']} from the store, "
-                                   f"{s['shared_tokens']} from the shared pool; plan "
-                                   f"{s['plan'] or '-'}), {done.completion_tokens} new "
-                                   f"({done.finish_reason}), TTFT {s['ttft_s']:.3f} s")
-                        tqdm.write(f"+++ {done.text}")
-                    bar.update(1)
+            # The service's frontend from here on: one tokenizer, used under one lock by
+            # this thread (building) and the service's (decoding).
+            requests.frontend = service.frontend
+            try:
+                with tqdm(total=todo, desc="requests", unit="req", disable=None) as bar:
+                    for entry in requests.entries(results.ids if results else frozenset()):
+                        while len(window) >= depth:
+                            settle(bar)
+                        ticket = None if entry.job is None else submit(service, entry.job, bar)
+                        window.append((entry, ticket))
+                    while window:
+                        settle(bar)
+            finally:
+                for _, ticket in window:      # stopped early: the rest is not served
+                    if ticket is not None:
+                        ticket.cancel()
+        ok = True
     finally:
-        if output is not None:
-            output.close()
-    stats = [r["stats"] for r in records]
-    matched = sum(s["matched_tokens"] for s in stats)
-    prompt = sum(r["prompt_tokens"] for r in records)
-    ttft = [s["ttft_s"] for s in stats]
-    plans = {p: sum(s["plan"] == p for s in stats) for p in PLAN_KINDS}
-    shared = sum(s["bytes_read"].get(REMOTE, 0) for s in stats)
-    print(f"{len(records)} requests: {matched} of {prompt} prompt tokens from the store, "
-          f"TTFT mean {np.mean(ttft):.3f} s, P99 {np.percentile(ttft, 99):.3f} s; plans "
-          + ", ".join(f"{p} {n}" for p, n in plans.items())
-          + f"; {shared / 2**20:.1f} MiB from the shared pool"
+        if results is not None and results.finish(ok) and not ok:
+            print(f"kept {results.kept + results.written} results in {args.output}; "
+                  "--resume continues from there")
+    ttft = totals.ttft
+    plans = totals.plans
+    print(f"{totals.served} requests: {totals.matched} of {totals.prompt} prompt tokens from "
+          "the store, TTFT " + (f"mean {np.mean(ttft):.3f} s, P99 {np.percentile(ttft, 99):.3f} s"
+                                if len(ttft) else "-")
+          + "; plans " + ", ".join(f"{p} {n}" for p, n in plans.items())
+          + f"; {totals.shared / 2**20:.1f} MiB from the shared pool"
+          + (f"; {totals.errors} answered with an error" if totals.errors else "")
+          + (f"; {results.kept} earlier results kept" if results and results.kept else "")
           + (f"; results in {args.output}" if args.output else ""))
-    write_json(args.json, {"model": rt.spec.name, "policy": args.policy, "plans": plans,
-                           "shared_bytes": shared, "results": records})
+    summary = {"model": model, "policy": args.policy, "plans": plans,
+               "shared_bytes": totals.shared, "requests": totals.served,
+               "errors": totals.errors}
+    summary.update({"results": kept} if kept is not None else {"output": args.output})
+    write_json(args.json, summary)
     return 0
 
 

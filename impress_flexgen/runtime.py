@@ -13,11 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import compat, scratch, weights
+from . import compat, progress, scratch, weights
 from .errors import UserError
 from .models import ModelSpec, resolve
 from .paths import offload_dir as default_offload_dir
 from .placement import AUTO, AutoPlacement, Placement, Plan, make_plan  # noqa: F401 - re-exported
+
+# A start-up step (weights, tokenizer) that may be a quick cache hit is announced on stderr
+# once it has taken this long.
+ANNOUNCE_AFTER_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +103,10 @@ def make_policy(cfg: RuntimeConfig):
 def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
     """The model `cfg` asks for (config, weights, tokenizer source), nothing built yet; with
     `check_placement`, a placement this machine cannot hold is refused here (UserError)."""
-    spec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
+    # A first start converts the weights (tens of seconds): said on stderr if it is slow.
+    with progress.step(f"preparing the weights of {cfg.model_path or cfg.model} (converted "
+                       "once, then cached)", after_s=ANNOUNCE_AFTER_S):
+        spec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
     if cfg.max_seq_len is not None and cfg.max_seq_len != spec.config.max_seq_len:
         if not spec.random_weights:
             raise UserError("max_seq_len can only be changed for random-weight models")
@@ -108,6 +115,15 @@ def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
     if check_placement:
         make_plan(spec, cfg)
     return spec
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The model's tokenizer; a first start builds it (seconds): said on stderr if slow."""
+    from .tokenizer import load_tokenizer as load
+
+    with progress.step(f"loading the tokenizer of {spec.name} (built once, then cached)",
+                       after_s=ANNOUNCE_AFTER_S):
+        return load(spec)
 
 
 def check_lengths(spec: ModelSpec, prompt_tokens: int, new_tokens: int,
@@ -166,8 +182,6 @@ class Runtime:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from .tokenizer import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.spec)
         return self._tokenizer
 

@@ -1,11 +1,17 @@
 """Scratch directories that a killed process does not leave behind for good.
 
-A scratch directory's name records its owner: a host key, the owner's pid and the owner's
-start time, e.g. `flexgen-1a2b3c4d-4242-918273-9f86d081`. A later process that makes a
-scratch directory in the same root first sweeps it: a directory whose owner is gone (no such
-pid, a zombie, or that pid now belongs to a process started at another time) is removed.
-Nothing else is ever touched: only entries directly inside the root whose name matches the
-pattern exactly and that are real directories (never a symbolic link, never followed).
+A scratch directory's name records its owner: a machine key, the owner's pid and the
+owner's start time, e.g. `flexgen-1a2b3c4d-4242-918273-9f86d081`. A later process that makes
+a scratch directory in the same root first sweeps it: a directory whose owner is gone (no
+such pid, a zombie, or that pid now belongs to a process started at another time) is
+removed. Nothing else is ever touched: only entries directly inside the root whose name
+matches the pattern exactly, made under this machine key, owned by this user, and that are
+real directories (never a symbolic link, never followed).
+
+The machine key is the running kernel's boot id (random per boot, so two hosts of one name,
+or cloned from one image, never share it; else /etc/machine-id, else the host name) and the
+pid namespace. A directory left by a process killed before a reboot is therefore never
+judged again: it stays for the operator, rather than risk another machine's live one.
 
     with scratch.directory(root, "store") as path:   # removed at the end
         ...
@@ -33,13 +39,35 @@ NAME_RE = re.compile(r"^(?P<label>[a-z]+)-(?P<host>[0-9a-f]{8})-(?P<pid>[1-9][0-
 _LABEL_RE = re.compile(r"^[a-z]+$")
 
 
+_MACHINE_IDS = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id",
+                "/var/lib/dbus/machine-id")
+
+
+def _machine_id() -> str:
+    """The boot id, else the machine id, else the host name (see the module docstring)."""
+    for path in _MACHINE_IDS:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            text = Path(path).read_text(encoding="ascii").strip()
+            # An empty or all-zero id (an image not yet given one) identifies nothing.
+            if text.strip("0-"):
+                return f"{path}={text}"
+    return f"host={socket.gethostname()}"
+
+
 def host_key() -> str:
-    """Pids mean something only on one machine and in one pid namespace: a directory made
-    elsewhere (a shared home over NFS, another container) is never judged here."""
+    """Pids mean something only in one boot of one machine and in one pid namespace: a
+    directory made elsewhere (a shared home over NFS, another container) is never judged
+    here."""
     ns = 0
     with contextlib.suppress(OSError):
         ns = os.stat("/proc/self/ns/pid").st_ino
-    return f"{zlib.crc32(f'{socket.gethostname()}:{ns}'.encode()):08x}"
+    return f"{zlib.crc32(f'{_machine_id()}:{ns}'.encode()):08x}"
+
+
+def _mine(st: os.stat_result) -> bool:
+    """Made by this user (another user's directory is theirs to sweep)."""
+    getuid = getattr(os, "getuid", None)
+    return getuid is None or st.st_uid == getuid()
 
 
 def start_time(pid: int) -> int | None:
@@ -83,9 +111,10 @@ def sweep_stale(root: Path) -> list[Path]:
         if m is None or m["host"] != mine:
             continue
         try:
-            if not stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
-                continue
+            st = entry.stat(follow_symlinks=False)
         except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or not _mine(st):
             continue
         if _owner_alive(int(m["pid"]), int(m["start"])):
             continue

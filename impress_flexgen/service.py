@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import uuid
@@ -42,6 +42,8 @@ MAX_STOP_CHARS = 256   # each; the stop check rescans this much text per token
 MAX_LOGPROBS = 20      # top log-probabilities per token, as vLLM's default limit
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
 
 
@@ -72,15 +74,28 @@ class StoreOptions:
     """Where a run's stores live and how they behave on this machine. What shapes a store's
     files (chunk size, probe format, layout) belongs to the RunConfig (store_options())."""
 
-    root: str | Path | None = None          # None: <cache>/stores/<model>
+    root: str | Path | None = None          # None: <cache>/stores/<model>-<identity>
     disk_capacity_bytes: int | None = None  # None: unlimited
     reorder_interval: int = 50              # queries between background reorders; 0: never
     read_limit_mb_s: float | None = None    # disk read bandwidth cap; None: none
 
-    def root_for(self, model_name: str) -> Path:
+    def root_for(self, model, chunk_size: int | None = None) -> Path:
+        """The folder of `model`'s stores (a ModelSpec; a bare name only for callers that
+        have no model): the root given, else one per model identity (its label and the
+        short form of its fingerprint), so that other weights, another seed or checkpoint,
+        or another dtype never open a store of KV they did not compute."""
         from .paths import cache_dir
 
-        return Path(self.root).expanduser() if self.root else cache_dir() / "stores" / model_name
+        if self.root:
+            return Path(self.root).expanduser()
+        if isinstance(model, str):
+            return cache_dir() / "stores" / model
+        from .engine import model_shape
+
+        shape = model_shape(model, chunk_size or CHUNK_SIZE)
+        label = re.sub(r"[^A-Za-z0-9._-]+", "-", shape.name).strip("-.") or "model"
+        return cache_dir() / "stores" / (f"{label}-{shape.short_id}" if shape.short_id
+                                         else label)
 
     def open_options(self) -> dict:
         """open_store keyword arguments (besides the RunConfig's)."""
@@ -118,6 +133,8 @@ class ServiceConfig:
     store: StoreOptions = StoreOptions()
     queue_size: int = 16                    # requests waiting (the one being served aside)
     timeout_s: float = 600.0                # per request, from its arrival
+    max_batch_size: int = 8                 # requests decoded together (continuous batching)
+    max_batch_tokens: int = 8192            # tokens per step: decode plus prefilled prompts
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -131,6 +148,8 @@ class ServiceConfig:
             raise UserError("the queue must hold at least 1 request")
         if not self.timeout_s > 0:   # inf: no deadline
             raise UserError("the request timeout must be a positive number of seconds")
+        if self.max_batch_size < 1 or self.max_batch_tokens < 1:
+            raise UserError("the batch must hold at least 1 request and 1 token")
         fold = object.__setattr__    # frozen: only here, while the object is being made
         if model is not None:
             fold(self, "runtime", dataclasses.replace(self.runtime, model=model))
@@ -165,7 +184,8 @@ class ServiceConfig:
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
         tiers = TierSizes(gpu, cpu, verify_hits=args.verify_tier_hits,
-                          remote_url=args.remote_tier)
+                          remote_url=args.remote_tier, remote_secret=args.remote_secret,
+                          remote_ttl=args.remote_ttl)
         store = StoreOptions(root=args.store_dir, reorder_interval=args.reorder_interval,
                              disk_capacity_bytes=None if args.disk_capacity_gb is None
                              else int(args.disk_capacity_gb * GB),
@@ -173,7 +193,9 @@ class ServiceConfig:
         runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
                                 placement=args.placement, offload_dir=args.offload_dir,
                                 seed=args.seed, dtype=dtype_arg(args.dtype))
-        return cls(runtime=runtime, run=run, tiers=tiers, store=store, **fields)
+        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens")
+                    if getattr(args, k, None) is not None}
+        return cls(runtime=runtime, run=run, tiers=tiers, store=store, **{**batching, **fields})
 
     def runtime_config(self):
         """The runtime's configuration, leaving room for the tiers."""
@@ -192,16 +214,15 @@ class ServiceConfig:
         return line
 
 
-def redact_url(url: str) -> str:
-    """A pool's url fit to print: a password in it is replaced by ***."""
-    import urllib.parse
+# The shared pool's counters exported as shared_pool_events{event=...}.
+POOL_EVENTS = ("skipped_requests", "corrupt_values", "incomplete_chunks")
 
-    parts = urllib.parse.urlsplit(url)
-    if not parts.password:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+
+def redact_url(url: str) -> str:
+    """A pool's url fit to print: a password in it (userinfo or query) is replaced by ***."""
+    from .tiers.remote_url import redact_url as redact
+
+    return redact(url)
 
 
 # -- prompts in ------------------------------------------------------------------------------
@@ -656,11 +677,11 @@ class Service:
         if runtime is None:
             rcfg = config.runtime_config()
             spec = resolve_spec(rcfg)
-            root = config.store.root_for(spec.name)
+            root = config.store.root_for(spec, run.chunk_size)
             claim_store_root(root)
             runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
         else:
-            root = config.store.root_for(runtime.spec.name)
+            root = config.store.root_for(runtime.spec, run.chunk_size)
             claim_store_root(root)
         self.rt = runtime
         self.store = None
@@ -692,7 +713,10 @@ class Service:
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
-        self._running = 0
+        from .scheduler import Scheduler, SchedulerConfig
+
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(
+            config.max_batch_size, config.max_batch_tokens))
         self._layers = [0, 0]          # prefix layers served from the store, of them fallen back
         self._fallbacks_seen = 0       # the engine's shared-pool fallbacks already counted
         self._init_metrics()
@@ -750,9 +774,17 @@ class Service:
         self.m_queue = Gauge("queue_length", "Requests waiting for the engine", namespace=ns,
                              registry=r)
         self.m_queue.set_function(self._queue.qsize)
-        self.m_running = Gauge("requests_running", "Requests in the engine", namespace=ns,
-                               registry=r)
-        self.m_running.set_function(lambda: self._running)
+        self.m_running = Gauge("requests_running", "Requests in the engine (prefilled, "
+                               "decoding)", namespace=ns, registry=r)
+        self.m_running.set_function(lambda: len(self.scheduler.running))
+        self.m_waiting = Gauge("requests_waiting", "Requests waiting: queued, or taken for "
+                               "the next step but not yet admitted", namespace=ns, registry=r)
+        self.m_waiting.set_function(lambda: self._queue.qsize() + len(self.scheduler.waiting))
+        self.m_batch = Histogram("batch_size", "Requests in each decode step", namespace=ns,
+                                 registry=r, buckets=BATCH_BUCKETS)
+        self.m_tpot = Histogram("time_per_output_token_seconds", "Per request, decode time "
+                                "per generated token after the first", namespace=ns,
+                                registry=r, buckets=TPOT_BUCKETS)
         self.m_requests = Counter("requests", "Requests by outcome", ["outcome"], namespace=ns,
                                   registry=r)
         for outcome in OUTCOMES:
@@ -802,6 +834,11 @@ class Service:
             self.m_pool_fallbacks = Counter(
                 "shared_pool_fallbacks", "Requests served again without the shared pool (a "
                 "chunk it had could not be fetched whole)", namespace=ns, registry=r)
+            self.m_pool_events = Counter(
+                "shared_pool_events", "Shared pool: requests that skipped it as slower than "
+                "computing, values refused by their checksum or HMAC, chunks found missing a "
+                "layer", ["event"], namespace=ns, registry=r)
+            self._pool_seen = dict.fromkeys(POOL_EVENTS, 0)
 
     def _hit_ratio(self, tier: str) -> float:
         if self.store is None or self.store.cache is None:
@@ -843,20 +880,60 @@ class Service:
         return self.submit(job).future.result()
 
     def _work(self) -> None:
+        """The scheduler loop: take queued tickets while the batch has room (blocking when
+        nothing runs), then one scheduler step (admit, prefill, one decode step)."""
+        sched = self.scheduler
+        closing = False
         while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
+            while not closing and sched.room():
+                try:
+                    ticket = self._queue.get() if not sched.busy else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if ticket is None:
+                    closing = True     # after every queued request: serve them, then stop
+                    break
+                self._admit(ticket)
+            if not sched.busy:
+                if closing:
+                    return
+                continue
+            batch_before = sched.steps
+            sched.step()
+            if sched.steps != batch_before:
+                self.m_batch.observe(sched.last_batch)
+
+    def _admit(self, ticket: Ticket) -> None:
+        """Hand a ticket to the scheduler (or fail it now: cancelled, expired)."""
+        from .scheduler import Work
+
+        try:
+            request, ended = self._request(ticket)
+        except ServiceError as exc:
+            ticket.future.set_exception(exc)
+            return
+        started = time.monotonic()
+
+        def on_done(resp, error) -> None:
             try:
-                ticket.future.set_result(self._serve(ticket))
+                if error is not None:
+                    raise error
+                ticket.future.set_result(self._complete(ticket, resp, ended, started))
             except ServiceError as exc:
                 ticket.future.set_exception(exc)
+            except UserError as exc:
+                self.count("invalid")
+                ticket.future.set_exception(ServiceError(400, str(exc)))
             except Exception as exc:  # noqa: BLE001 - one request failed; keep serving
-                log.exception("request failed")
+                log.error("request failed", exc_info=exc)
                 self.count("error")
                 ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
 
-    def _serve(self, ticket: Ticket) -> Completion:
+        self.scheduler.add(Work(request, on_done, query_logits=ticket.job.prompt_logprobs))
+
+    def _request(self, ticket: Ticket):
+        """The engine request of a ticket, with its streaming, stop strings, cancellation
+        and deadline in on_token; ServiceError if cancelled or expired while queued."""
         from .engine import Request
 
         job = ticket.job
@@ -870,7 +947,7 @@ class Service:
                                     f"{self.config.timeout_s:g} s timeout", code="timeout",
                                kind="timeout_error")
         stream = TextStream(self.frontend.decode, job.stop, ticket.listener, job.min_tokens)
-        ended = {}                  # why generation ended early, and when the first token came
+        ended = {"stream": stream}  # why generation ended early, and when the first token came
 
         def on_token(token: int) -> bool:
             ended.setdefault("first", time.monotonic())
@@ -888,17 +965,14 @@ class Service:
             return True
 
         prefix, query = job.split()
-        self._running = 1
-        try:
-            resp = self.engine.serve(Request(prefix, query, max(1, job.max_tokens),
-                                             sampling=job.sampling, on_token=on_token,
-                                             namespace=job.namespace),
-                                     query_logits=job.prompt_logprobs)
-        except UserError as exc:
-            self.count("invalid")
-            raise ServiceError(400, str(exc)) from None
-        finally:
-            self._running = 0
+        # max_tokens 0 (echo: the prompt's log-probabilities only) still computes one token,
+        # dropped from the completion.
+        return Request(prefix, query, max(1, job.max_tokens), sampling=job.sampling,
+                       on_token=on_token, namespace=job.namespace), ended
+
+    def _complete(self, ticket: Ticket, resp, ended: dict, started: float) -> Completion:
+        job = ticket.job
+        stream = ended["stream"]
         done = time.monotonic()
         tokens = list(resp.tokens)[:job.max_tokens]
         reason = ended.get("reason") if job.max_tokens else "length"
@@ -920,11 +994,14 @@ class Service:
                  "layers": st.layers if st.matched_tokens else 0,
                  "decode_s_per_token": st.decode_s_per_token,
                  "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
+                 "plan_reason": st.plan_reason if st.matched_tokens else None,
                  "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens,
                  # Prompt tokens whose KV was read (store or shared pool), not computed:
                  # matched tokens a plan recomputed are not among them.
                  "cached_tokens": max(0, len(job.ids) - st.computed_tokens)}
         self._observe(ticket, stats, len(tokens), reason)
+        if len(resp.tokens) > 1:
+            self.m_tpot.observe(st.decode_s_per_token)
         completion = Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens,
                                 reason, len(job.ids), stats)
         if job.logprobs is not None:
@@ -948,6 +1025,10 @@ class Service:
             fallbacks = self.engine.shared_fallbacks
             self.m_pool_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
+            pool = self.engine.shared.tier.metrics()
+            for event in POOL_EVENTS:
+                self.m_pool_events.labels(event).inc(pool[event] - self._pool_seen[event])
+                self._pool_seen[event] = pool[event]
         self.m_completion.inc(n_tokens)
         for tier, n in stats["bytes_read"].items():
             self.m_bytes.labels(tier).inc(n)
@@ -988,44 +1069,5 @@ class Service:
 
 
 # -- request files -----------------------------------------------------------------------------
-REQUEST_FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p",
-                  "seed", "stop", "id"}
-
-
-def read_requests(path: str | Path, frontend: Frontend, default_max_tokens: int) -> list[Job]:
-    """Every line of a JSONL request file as a Job, or UserError naming the first bad line
-    (the whole file is checked before anything is served). Blank lines are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text") from None
-    jobs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {n}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise UserError(f"{where}: a request is a JSON object")
-        unknown = sorted(set(item) - REQUEST_FIELDS)
-        if unknown:
-            raise UserError(f"{where}: unknown field {unknown[0]!r} (fields: "
-                            f"{', '.join(sorted(REQUEST_FIELDS))})")
-        rid = item.get("id")
-        if rid is not None and not isinstance(rid, (str, int)):
-            raise UserError(f"{where}: id must be a string or a number")
-        try:
-            job = frontend.build(**{k: v for k, v in item.items() if k != "id"},
-                                 default_max_tokens=default_max_tokens)
-        except ServiceError as exc:
-            raise UserError(f"{where}: {exc.message}") from None
-        job.id = str(rid) if rid is not None else str(len(jobs) + 1)
-        jobs.append(job)
-    if not jobs:
-        raise UserError(f"{path} holds no requests")
-    return jobs
+# Read as a stream in request_files.py; these names stay importable from here.
+from .request_files import REQUEST_FIELDS, read_requests  # noqa: E402,F401

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from . import scratch
 from .paths import cache_dir
+from .weights import fsync_tree
 
 
 class Tokenizer:
@@ -37,20 +39,30 @@ class Tokenizer:
 def _gguf_tokenizer(gguf_file: Path):
     from transformers import AutoTokenizer
 
+    log = logging.getLogger("impress_flexgen")
     cached = cache_dir() / "tokenizers" / gguf_file.stem
     if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # noqa: BLE001 - any damage: the cache is only a shortcut
+            log.warning("cached tokenizer in %s is damaged (%s): converting it again",
+                        cached, " ".join(str(exc).split())[:200] or type(exc).__name__)
     tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     # The cache only saves the conversion next time: an unwritable cache is no reason to
-    # fail, and a save cut short must never be found as a cached tokenizer.
+    # fail, and a save cut short (or not yet on disk at a crash) must never be found as a
+    # cached tokenizer: written, fsynced, then renamed into place.
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         with scratch.directory(cached.parent, "tokenizer") as tmp:
             tok.save_pretrained(str(tmp))
+            fsync_tree(tmp)
+            if cached.exists() or cached.is_symlink():
+                old = cached.with_name(f"{cached.name}.damaged-{os.getpid()}")
+                os.replace(cached, old)
+                shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, cached)
     except OSError as exc:
-        logging.getLogger("impress_flexgen").warning(
-            "tokenizer not cached in %s: %s", cached, exc.strerror or exc)
+        log.warning("tokenizer not cached in %s: %s", cached, exc.strerror or exc)
     return tok
 
 

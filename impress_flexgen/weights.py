@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ import torch
 
 from . import scratch
 from .errors import UserError
+
+log = logging.getLogger("impress_flexgen.weights")
 
 RANDOM_MARKER = "<random-weights"
 _RANDOM_RE = re.compile(r"<random-weights seed=(\d+) std=([0-9.eE+-]+)>/?(.*)$")
@@ -134,21 +137,117 @@ def _fingerprint(paths: list[Path], extra: str) -> str:
 
 
 def save_tensor(out_dir: Path, name: str, array: np.ndarray) -> None:
+    # fsynced before the directory is renamed into place: a crash must never leave a
+    # finished-looking conversion with empty or partial files in it.
     with open(out_dir / name, "wb") as f:
         np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+CONVERTED = "CONVERTED.json"
+DIGEST = "DIGEST.json"          # the content digest, keyed by the files' sizes and mtimes
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every regular file under `path`, then its directories (before a rename that
+    publishes them)."""
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for root, _, _ in os.walk(path, topdown=False):
+        _fsync_dir(root)
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _weight_files(directory: Path) -> list[os.DirEntry]:
+    return sorted((e for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
+                   and e.name not in (CONVERTED, DIGEST) and not e.name.endswith(".tmp")),
+                  key=lambda e: e.name)
+
+
+def _hash_files(entries) -> str:
+    h = hashlib.sha256(b"impress_flexgen-weights-v1")
+    for e in entries:
+        with open(e.path, "rb") as f:
+            inner = hashlib.file_digest(f, "sha256").hexdigest()
+        h.update(f"{e.name}\0{inner}\n".encode())
+    return h.hexdigest()
+
+
+def content_digest(directory: Path) -> str:
+    """SHA-256 over the names and contents of a converted directory's weight files. Hashed
+    once, then cached beside them (DIGEST.json) keyed by every file's size and mtime: a file
+    changed in place is hashed again, and so becomes another model identity."""
+    directory = Path(directory)
+    entries = _weight_files(directory)
+    key = {e.name: [e.stat().st_size, e.stat().st_mtime_ns] for e in entries}
+    try:
+        cached = json.loads((directory / DIGEST).read_text())
+        if cached.get("files") == key and _HEX64.fullmatch(str(cached.get("digest"))):
+            return cached["digest"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    digest = _hash_files(entries)
+    try:       # a cache that cannot be written only costs a hash next time
+        tmp = directory / f"{DIGEST}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"files": key, "digest": digest}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / DIGEST)
+    except OSError:
+        pass
+    return digest
+
+
+def _conversion_problem(final: Path) -> str | None:
+    """Why a finished conversion cannot be used (files missing, cut short or changed since
+    it was made), or None."""
+    try:
+        done = json.loads((final / CONVERTED).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{CONVERTED} unreadable ({exc.__class__.__name__})"
+    sizes = done.get("sizes") if isinstance(done, dict) else None
+    if not isinstance(sizes, dict):
+        return None              # made before conversions recorded their files
+    have = {e.name: e.stat().st_size for e in _weight_files(final)}
+    if have != sizes:
+        return "its files are not those the conversion wrote"
+    want = done.get("digest")
+    if isinstance(want, str) and content_digest(final) != want:
+        return "its files changed since the conversion"
+    return None
 
 
 def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.dtype,
                   convert: Callable[[Path], None]) -> Path:
     """Return the cached conversion of `sources`, running `convert(tmp_dir)` if absent.
 
-    The conversion is written to a temporary directory and renamed into place, so an
-    interrupted conversion is never mistaken for a finished one.
+    The conversion is written to a temporary directory, fsynced and renamed into place, so
+    an interrupted conversion is never mistaken for a finished one; one whose files were
+    damaged or changed afterwards is converted again.
     """
     key = _fingerprint(sources, f"{label}:{np.dtype(dtype).name}")
     final = cache_root / f"{label}-{np.dtype(dtype).name}-{key}"
-    if (final / "CONVERTED.json").exists():
-        return final
+    if (final / CONVERTED).exists():
+        problem = _conversion_problem(final)
+        if problem is None:
+            return final
+        log.warning("converted weights in %s cannot be used (%s): converting again", final,
+                    problem)
     try:
         # A scratch directory: one a killed conversion left is removed by the next one.
         # Renamed into place, it keeps the cache's usual permissions.
@@ -158,10 +257,15 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
                         f"{exc.strerror or exc}") from None
     try:
         convert(tmp)
-        (tmp / "CONVERTED.json").write_text(json.dumps(
-            {"sources": [str(s) for s in sources], "dtype": np.dtype(dtype).name}))
+        digest = content_digest(tmp)      # cached in tmp: the rename keeps the mtimes
+        with open(tmp / CONVERTED, "w") as f:
+            json.dump({"sources": [str(s) for s in sources], "dtype": np.dtype(dtype).name,
+                       "sizes": {e.name: e.stat().st_size for e in _weight_files(tmp)},
+                       "digest": digest}, f)
+        fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync_dir(cache_root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

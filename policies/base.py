@@ -205,6 +205,9 @@ class ServingPolicy:
     reads_probe = False       # plan_layer reads the probe copy (the engine prefetches it)
     loads_everything = False  # plan_layer always loads every chunk (the engine reads ahead)
     prefetch_last_selection = False  # the engine reads ahead what the last query selected
+    # Every prefill attends to the whole prefix it was given (nothing selected): such a
+    # policy matches only stored KV that was computed exactly, and its own is exact.
+    exact_reads = False
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config

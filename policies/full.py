@@ -8,8 +8,10 @@ from .base import ServingPolicy
 class Full(ServingPolicy):
     name = "full"
     loads_everything = True
+    exact_reads = True
 
 
 class AsLike(ServingPolicy):
     name = "as_like"
     tier_policy = "lru"
+    exact_reads = True

@@ -8,3 +8,4 @@ class Recomp(ServingPolicy):
     name = "recomp"
     reuse = False
     store_new = False
+    exact_reads = True

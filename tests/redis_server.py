@@ -145,3 +145,64 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SlowProxy:
+    """A TCP proxy in front of a server that holds every client command `delay_s` before
+    passing it on: a pool that answers, slowly (a congested or distant Redis)."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        import threading
+
+        self.target, self.delay_s = port, delay_s
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self._open += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, self.delay_s),
+                             daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, 0.0),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                if delay_s:
+                    time.sleep(delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for s in self._open:
+            try:
+                s.close()
+            except OSError:
+                pass

@@ -17,7 +17,7 @@ def test_bench_remote_tiny(tmp_path):
     report = json.loads(out.read_text())
     rows = {r["way"]: r for r in report["results"]}
     assert list(rows) == [bench_remote.RECOMPUTE, bench_remote.DISK, bench_remote.REDIS,
-                          bench_remote.IMPRESS]
+                          bench_remote.CLUSTER, bench_remote.IMPRESS]
     assert all(r["ttft_median_s"] > 0 and r["queries"] == 1 for r in rows.values())
     assert rows[bench_remote.RECOMPUTE]["ttft_vs_recompute"] == 1.0
     disk, pool = rows[bench_remote.DISK], rows[bench_remote.REDIS]
@@ -30,4 +30,9 @@ def test_bench_remote_tiny(tmp_path):
     # The same float16 KV as the local disk: the same answer, bit for bit.
     assert pool["first_token_equals_local_disk"] and pool["max_logit_diff_vs_local_disk"] == 0
     assert isinstance(pool["first_token_equals_recompute"], bool)
+    # The same from a Redis Cluster.
+    cluster = rows[bench_remote.CLUSTER]
+    assert cluster["shared_tokens"] == 64 and cluster["matched_tokens"] == 0
+    assert cluster["first_token_equals_local_disk"]
+    assert cluster["max_logit_diff_vs_local_disk"] == 0
     assert report["environment"]["redis_server"].startswith("Redis server")

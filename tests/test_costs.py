@@ -194,3 +194,98 @@ def test_calibrate_within_a_budget_leaves_out_the_longest_points():
         max(TRUE.predict(n, ctx) * 1.5 for n, ctx in measured)
     assert (4096, 0) not in measured and (16, 0) in measured
     assert curve.predict(64, 0) == pytest.approx(TRUE.predict(64, 0) * 1.5, rel=0.05)
+
+
+# -- the calibration cache as untrusted input -------------------------------------------
+
+def _cached(coef, points=None, key="k"):
+    from impress_flexgen.costs import CACHE_VERSION
+
+    doc = {"version": CACHE_VERSION, "key": key, "coef": coef}
+    if points is not None:
+        doc["points"] = points
+    return json.dumps(doc).encode()
+
+
+def _measured_again(tmp_path, caplog, content: bytes | None = None, setup=None):
+    cache = tmp_path / "prefill.json"
+    if content is not None:
+        cache.write_bytes(content)
+    if setup is not None:
+        setup(cache)
+    meter = Meter()
+    done = {}
+
+    def go():
+        done["curve"] = calibrate(meter, DEFAULT_POINTS, cache, key="k", repeats=1)
+
+    t = threading.Thread(target=go, daemon=True)
+    with caplog.at_level("WARNING", logger="impress_flexgen.costs"):
+        t.start()
+        t.join(10)
+    assert not t.is_alive(), "reading the calibration cache blocked"
+    assert len(meter.calls) == len(DEFAULT_POINTS)
+    assert "ignoring prefill calibration cache" in caplog.text
+    doc = json.loads(cache.read_text())   # rewritten as a regular file
+    assert doc["coef"] == pytest.approx(done["curve"].coef)
+    return done["curve"]
+
+
+def test_a_fifo_in_place_of_the_cache_never_blocks(tmp_path, caplog):
+    import os
+
+    _measured_again(tmp_path, caplog, setup=lambda p: os.mkfifo(p))
+
+
+def test_deeply_nested_json_is_a_warning_not_a_traceback(tmp_path, caplog):
+    _measured_again(tmp_path, caplog, b"[" * 200_000 + b"]" * 200_000)
+
+
+def test_an_oversized_cache_is_not_read(tmp_path, caplog):
+    good = PrefillCurve.fit(_points(TRUE))
+    _measured_again(tmp_path, caplog, _cached(good.coef) + b" " * (2 << 20))
+
+
+@pytest.mark.parametrize("coef", [
+    [0, 0, 0],                 # free prefills: every request would recompute forever
+    [0.5, 0, 0],               # no per-token work
+    [0, 1e3, 0],               # a 1,024-token prefill in 12 days
+    [1e-12, 1e-15, 0],         # ... or in a picosecond
+    [False, 1e-4, 1e-8],       # not numbers
+])
+def test_implausible_coefficients_are_measured_again(tmp_path, caplog, coef):
+    curve = _measured_again(tmp_path, caplog, _cached(coef))
+    assert curve.predict(1024, 0) == pytest.approx(TRUE.predict(1024, 0) * 1.5, rel=1e-6)
+
+
+def test_coefficients_far_from_their_own_points_are_measured_again(tmp_path, caplog):
+    # Plausible on their own, but 10x the points they claim to be fitted to (edited).
+    points = [[n, ctx, TRUE.predict(n, ctx)] for n, ctx in DEFAULT_POINTS]
+    _measured_again(tmp_path, caplog, _cached([10 * c for c in TRUE.coef], points))
+
+
+def test_a_plausible_cache_is_used(tmp_path):
+    points = [[n, ctx, TRUE.predict(n, ctx)] for n, ctx in DEFAULT_POINTS]
+    cache = tmp_path / "prefill.json"
+    cache.write_bytes(_cached(TRUE.coef, points))
+
+    def refuse(n, ctx):
+        raise AssertionError("a plausible cached calibration must not measure")
+
+    assert calibrate(refuse, DEFAULT_POINTS, cache, key="k") == TRUE
+
+
+def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    from impress_flexgen import prefix_plan
+
+    monkeypatch.delenv("IMPRESS_FLEXGEN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert prefix_plan.cache_dir() == tmp_path / "xdg" / "impress_flexgen"
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "own"))
+    assert prefix_plan.cache_dir() == tmp_path / "own"
+
+
+def test_the_cache_file_is_private(tmp_path):
+    cache = tmp_path / "prefill.json"
+    calibrate(Meter(), DEFAULT_POINTS, cache, key="k", repeats=1)
+    assert cache.stat().st_mode & 0o077 == 0

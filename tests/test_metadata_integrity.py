@@ -139,7 +139,7 @@ def test_schema_1_database_is_migrated_in_place(tmp_path):
     m = Metadata(path)
     try:
         got = m.get_meta()
-        assert got["schema"] == SCHEMA_VERSION == 2 and got["next_node_id"] == 6
+        assert got["schema"] == SCHEMA_VERSION == 3 and got["next_node_id"] == 6
         assert got["format"] == "impress-1" and got["chunk_size"] == C
         rows = list(m.nodes())
         assert [r.id for r in rows] == [1, 2, 5] and all(r.valid for r in rows)
@@ -156,7 +156,7 @@ def test_schema_1_database_is_migrated_in_place(tmp_path):
     # Idempotent: opening again changes nothing.
     m = Metadata(path)
     try:
-        assert m.get_meta()["schema"] == 2 and len(list(m.nodes())) == 4
+        assert m.get_meta()["schema"] == 3 and len(list(m.nodes())) == 4
     finally:
         m.close()
 

@@ -44,3 +44,28 @@ def test_generation_rejects_bad_requests():
             rt.generate([[5] * 1020], 8)
         with pytest.raises(UserError, match="at least one token"):
             rt.generate([[]], 2)
+
+
+@pytest.mark.parametrize("text", ["0,0,0,0,0,0", "100,0,100,0,0,0", "0,100,0,100,0,0"])
+def test_activations_on_disk_are_refused_at_argument_checking(text, tmp_path):
+    # FlexGen cannot keep activations on disk: such a placement failed mid-generation.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from impress_flexgen.errors import UserError
+    from impress_flexgen.runtime import Runtime, RuntimeConfig
+
+    with pytest.raises(UserError, match="activations cannot live on disk"):
+        Placement.parse(text)
+    with pytest.raises(UserError, match="activations cannot live on disk"):
+        Runtime(RuntimeConfig(model="llama-tiny", offload_dir=str(tmp_path),
+                              placement=Placement(*map(float, text.split(",")))))
+    if text != "0,0,0,0,0,0":
+        return   # one command line is enough
+    out = subprocess.run([sys.executable, "-m", "impress_flexgen.run", "--model", "llama-tiny",
+                          "--placement", text], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "activations cannot live on disk" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2

@@ -218,12 +218,15 @@ def test_invalid_inputs(args):
                kw["chunk_io_s"], kw["probe_s"])
 
 
-def test_a_recomputed_front_costs_the_whole_context():
-    # One dense masked pass: the m*T front tokens and the query over the kept tokens left
-    # to load and themselves, so a front is dearer than the same tokens recomputed alone.
+def test_a_recomputed_front_attends_over_its_own_keys_only():
+    # The engine's front attends to itself (m*T x m*T); the query to the kept tokens, the
+    # front and itself; one pass, so the per-call term once. Not the front over the whole
+    # context, which overcharged every split by c * front * kept.
     prefix = PrefixCosts.uniform(N, T, Q, _io(1e-3))
     m = N // 2
-    front = split_compute(COST, prefix, m)
-    assert front == pytest.approx(COST.compute_s(m * T + Q, (N - m) * T))
-    alone = COST.compute_s(m * T + Q, 0) + COST.compute_s(Q, N * T) - COST.compute_s(Q, m * T)
-    assert front > alone
+    F, K = m * T, (N - m) * T
+    p = COST.prefill
+    expected = p.a + p.b * (F + Q) + p.c * (F * F + Q * (K + F + Q))
+    assert split_compute(COST, prefix, m) == pytest.approx(expected)
+    assert split_compute(COST, prefix, m) < COST.compute_s(F + Q, K)
+    assert split_compute(COST, prefix, 0) == pytest.approx(COST.compute_s(Q, N * T))

@@ -53,6 +53,8 @@ def test_recompute_and_both_match_generation(tiny_runtimes, tmp_path, model, pol
         for (mode, split), resp in results.items():
             assert resp.stats.matched_tokens == 128
             assert resp.stats.plan == mode and resp.stats.plan_split == split
+            assert resp.stats.plan_reason == ("forced" if mode in ("load", "recompute")
+                                              else "predicted")
             assert resp.stats.computed_tokens == 2 + 7 + 16 * split
         tol = 0.05 if model == "opt-tiny" else 1e-2
         for (mode, split), resp in results.items():
@@ -109,9 +111,11 @@ def test_auto_plan_predicts_and_avoids_a_slow_disk(tiny_runtimes, tmp_path, monk
         assert list((tmp_path / "cache" / "costs").glob("*.json"))   # calibration cached
         first = engine.serve(Request(prefix, query, 2))
         assert first.stats.plan == "load" and first.stats.matched_tokens == 0
+        assert first.stats.plan_reason == "no-match"
         warm = engine.serve(Request(prefix, query, 2))
         assert warm.stats.matched_tokens == 256
         assert warm.stats.plan in ("recompute", "both")
+        assert warm.stats.as_dict()["plan_reason"] == "predicted"
         assert warm.stats.predicted_ttft_s > 0
         assert warm.tokens == ref
         if warm.stats.plan == "both":

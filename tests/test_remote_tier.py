@@ -199,7 +199,7 @@ def test_corrupted_value_is_a_counted_miss_and_deleted(tier, server, caplog):
         got = tier.wait(tier.submit_get([(hs[0], 1), (hs[0], 2), (hs[1], 0)]))
     assert got[0] is not None and got[1] is None and got[2] is None
     assert tier.metrics()["corrupt_values"] == 2
-    assert "CRC mismatch" in caplog.text and "bad magic" in caplog.text
+    assert "checksum mismatch" in caplog.text and "bad magic" in caplog.text
     assert raw.exists(rk) == 0 and raw.exists(marker_key(hs[0])) == 0
     assert raw.exists(layer_key(hs[0], 1)) == 1
 

@@ -3,11 +3,13 @@ the store (prefix reuse, also across runs); a bad file is refused before anythin
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
-from impress_flexgen import run
+from impress_flexgen import defaults, run
 from impress_flexgen.cli import run_main
+from impress_flexgen.request_files import RequestFile
 
 MODEL = "llama-tiny"
 BOOK = ("It is a truth universally acknowledged, that a single man in possession of a good "
@@ -36,7 +38,7 @@ def test_a_request_file_is_served_in_order_through_the_store(tmp_path, capsys):
         {"messages": [{"role": "user", "content": "Name a novel."}], "temperature": 0.7,
          "seed": 1, "max_tokens": 2},
         "",                                               # blank lines are skipped
-        {"prompt_ids": [17, 18, 19, 20, 21], "id": 7},
+        {"prompt_ids": [17, 18, 19, 20, 21], "id": 7, "temperature": 0},
         {"id": "again", "prompt": BOOK + " Mrs. Bennet replied"},
     ])
     lines = _run(tmp_path, requests, "--max-new-tokens", "4")
@@ -80,6 +82,11 @@ def test_without_output_the_answers_are_printed(tmp_path, capsys):
     (['{"prompt_ids": [1, 99999999]}'], "outside the vocabulary"),
     (['{"prompt": "' + "word " * 2100 + '"}'], "line 1: the prompt has"),
     ([""], "holds no requests"),
+    (['{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}',
+      '{"prompt": "x"}'], "line 2: every line of a batch file needs a custom_id"),
+    (['{"prompt": "x"}', '{"custom_id": "a"}'], "line 2: a batch line (custom_id) in a file"),
+    (['{"custom_id": 5, "body": {}}'], "line 1: custom_id must be a non-empty string"),
+    (['{"prompt": "x"}', '[' * 100000], "line 2: JSON nested too deeply"),
 ])
 def test_a_bad_request_file_is_refused_before_serving(tmp_path, capsys, lines, message):
     requests = tmp_path / "in.jsonl"
@@ -104,3 +111,111 @@ def test_request_file_flags_are_checked(tmp_path, capsys):
     assert run_main("python -m impress_flexgen.run", run.main,
                     ["--model", MODEL, "--requests", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def frontend():
+    from impress_flexgen.runtime import RuntimeConfig, resolve_spec
+    from impress_flexgen.service import Frontend
+    from impress_flexgen.tokenizer import load_tokenizer
+
+    spec = resolve_spec(RuntimeConfig(model=MODEL))
+    return Frontend(spec, load_tokenizer(spec))
+
+
+def test_request_files_use_the_defaults_of_every_entry_point(tmp_path, frontend):
+    from impress_flexgen.service import read_requests
+
+    assert (defaults.MAX_TOKENS, defaults.TEMPERATURE, defaults.TOP_P) == (256, 1.0, 1.0)
+    requests = tmp_path / "in.jsonl"
+    _write(requests, [{"prompt_ids": [17, 18, 19]}, {"prompt_ids": [5] * 2000},
+                      {"prompt_ids": [17], "temperature": 0, "max_tokens": 3}])
+    short, long, greedy = read_requests(requests, frontend)
+    assert short.max_tokens == defaults.MAX_TOKENS
+    assert (short.sampling.temperature, short.sampling.top_p) == (1.0, 1.0)
+    assert long.max_tokens == frontend.max_positions - 2000   # what the positions leave
+    assert greedy.sampling.temperature == 0 and greedy.max_tokens == 3
+
+
+def test_a_request_file_is_read_as_a_stream(tmp_path, frontend):
+    """Memory does not grow with the file: each Job is built when it is reached."""
+    def peak(n: int) -> int:
+        path = tmp_path / f"in{n}.jsonl"
+        line = json.dumps({"prompt_ids": list(range(100, 164)), "max_tokens": 1}) + "\n"
+        path.write_text(line * n)
+        requests = RequestFile(path, frontend)
+        tracemalloc.start()
+        try:
+            assert requests.check() == n
+            assert sum(1 for _ in requests.entries()) == n
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(200), peak(6000)
+    assert large < small + (128 << 10), (small, large)   # a list of Jobs: several MB
+
+
+def test_requests_are_submitted_ahead_and_written_in_order(tmp_path, monkeypatch):
+    """A window of jobs is in the service at once (so that a batching service serves them
+    together); the results still come out in the file's order."""
+    from impress_flexgen.service import Service
+
+    submit, tickets, in_flight = Service.submit, [], []
+
+    def spy(self, job, listener=None):
+        ticket = submit(self, job, listener)
+        tickets.append(ticket)
+        in_flight.append(sum(not t.future.done() for t in tickets))
+        return ticket
+
+    monkeypatch.setattr(Service, "submit", spy)
+    requests = tmp_path / "in.jsonl"
+    _write(requests, [{"id": f"q{i}", "prompt_ids": [17 + i, 18, 19], "max_tokens": 2,
+                       "temperature": 0} for i in range(20)])
+    lines = _run(tmp_path, requests)
+    assert [x["id"] for x in lines] == [f"q{i}" for i in range(20)]
+    assert 1 < max(in_flight) <= 16    # the service's queue bounds the window
+
+
+def test_openai_batch_lines_are_served_as_vllm_run_batch_does(tmp_path):
+    def line(cid, body, url="/v1/completions", method="POST"):
+        return {"custom_id": cid, "method": method, "url": url, "body": body}
+
+    chat = [{"role": "user", "content": "Name a novel."}]
+    requests = tmp_path / "batch.jsonl"
+    _write(requests, [
+        line("c1", {"model": MODEL, "prompt": BOOK, "max_tokens": 3, "temperature": 0}),
+        line("c2", {"model": MODEL, "messages": chat, "max_completion_tokens": 2, "n": 1,
+                    "stream": False, "logprobs": False}, url="/v1/chat/completions"),
+        line("c3", {"model": MODEL, "input": "x"}, url="/v1/embeddings"),
+        line("c4", {"prompt": "a b", "max_tokens": 0}),
+        line("c5", {"model": "gpt-4o-mini", "prompt": "a b"}),
+        line("c6", {"prompt": "a b", "logprobs": 2}),
+        line("c7", {"prompt": [17, 18, 19], "max_tokens": 2}),
+        line("c8", {"prompt": "a b"}, method="GET"),
+        line("c9", {"prompt": "a b", "colour": "red"}),
+    ])
+    out = {x["custom_id"]: x for x in _run(tmp_path, requests)}
+    assert list(out) == [f"c{i}" for i in range(1, 10)]
+    for x in out.values():
+        assert set(x) == {"id", "custom_id", "response", "error"}
+        assert x["id"].startswith("batch_req_") and x["response"]["request_id"]
+    ok = {cid: out[cid]["response"] for cid in ("c1", "c2", "c7")}
+    for cid, response in ok.items():
+        assert response["status_code"] == 200 and out[cid]["error"] is None
+    c1, c2, c7 = (ok[c]["body"] for c in ("c1", "c2", "c7"))
+    assert c1["object"] == "text_completion" and isinstance(c1["choices"][0]["text"], str)
+    assert c1["usage"]["completion_tokens"] == 3 and c1["model"] == MODEL
+    assert c2["object"] == "chat.completion" and c2["usage"]["completion_tokens"] == 2
+    assert c2["choices"][0]["message"]["role"] == "assistant"
+    assert c7["usage"]["prompt_tokens"] == 3
+    errors = {"c3": (400, "/v1/embeddings"), "c4": (400, "max_tokens"),
+              "c5": (404, "gpt-4o-mini"), "c6": (400, "logprobs is not supported"),
+              "c8": (400, "method must be POST"), "c9": (400, "unknown field 'colour'")}
+    for cid, (status, words) in errors.items():
+        x = out[cid]
+        assert x["response"]["status_code"] == status, x
+        assert words in x["error"]["message"], x
+        assert x["response"]["body"]["error"]["message"] == x["error"]["message"]
+    assert out["c5"]["error"]["code"] == "model_not_found"

@@ -201,3 +201,50 @@ def test_a_sigkilled_run_leaves_nothing_after_the_next_start(tmp_path):
     with Runtime(RuntimeConfig(model="opt-tiny", offload_dir=str(off))):
         assert len(list(off.iterdir())) == 1  # only the new runtime's own
     assert list(off.iterdir()) == []
+
+
+def _key_with(monkeypatch, tmp_path, boot_id: str) -> str:
+    """The machine key a host of this name would have with `boot_id`."""
+    f = tmp_path / f"boot-{boot_id}"
+    f.write_text(boot_id + "\n")
+    with monkeypatch.context() as m:
+        m.setattr(scratch, "_MACHINE_IDS", (str(f),), raising=False)
+        return scratch.host_key()
+
+
+def test_a_host_of_the_same_name_is_another_machine(tmp_path, monkeypatch):
+    # Two hosts named alike share a home over NFS: pids of the other are not ours to judge.
+    monkeypatch.setattr(scratch.socket, "gethostname", lambda: "node")
+    root = tmp_path / "root"
+    root.mkdir()
+    here = _key_with(monkeypatch, tmp_path, "0f1e2d3c-aaaa-bbbb-cccc-000000000001")
+    there = _key_with(monkeypatch, tmp_path, "0f1e2d3c-aaaa-bbbb-cccc-000000000002")
+    assert here != there
+    other = root / _name("flexgen", _dead_pid(), 5, host=there)
+    other.mkdir()
+    mine = root / _name("flexgen", _dead_pid(), 6, host=here)
+    mine.mkdir()
+    f = tmp_path / "boot-0f1e2d3c-aaaa-bbbb-cccc-000000000001"
+    monkeypatch.setattr(scratch, "_MACHINE_IDS", (str(f),), raising=False)
+    assert scratch.sweep_stale(root) == [mine]
+    assert other.is_dir()
+
+
+def test_an_empty_machine_id_falls_back(tmp_path, monkeypatch):
+    empty, zeros = tmp_path / "empty", tmp_path / "zeros"
+    empty.write_text("\n")
+    zeros.write_text("0" * 32 + "\n")
+    monkeypatch.setattr(scratch.socket, "gethostname", lambda: "node")
+    monkeypatch.setattr(scratch, "_MACHINE_IDS", (str(empty), str(zeros)))
+    assert scratch._machine_id() == "host=node"
+
+
+def test_another_users_directory_is_never_swept(tmp_path, monkeypatch):
+    stale = tmp_path / _name("flexgen", _dead_pid(), 7)
+    stale.mkdir()
+    uid = stale.stat().st_uid
+    monkeypatch.setattr(scratch.os, "getuid", lambda: uid + 1)
+    assert scratch.sweep_stale(tmp_path) == []
+    assert stale.is_dir()
+    monkeypatch.setattr(scratch.os, "getuid", lambda: uid)
+    assert scratch.sweep_stale(tmp_path) == [stale]

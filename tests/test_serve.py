@@ -477,3 +477,8 @@ def test_bench_serve_quick_compares_three_policies(tmp_path, capsys):
     assert rows["impress"]["matched_fraction"] > 0 and rows["full"]["matched_fraction"] > 0
     assert "TTFT mean" in capsys.readouterr().out
     assert not list(tmp_path.glob("benchserve-*"))      # temporary stores removed
+    batching = json.loads(out.read_text())["batching"]
+    assert {(r["clients"], r["max_batch_size"]) for r in batching} == \
+        {(1, 8), (4, 8), (1, 1), (4, 1)}
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_p99_s"] > 0 and "tpot_mean_s" in r
+               for r in batching)

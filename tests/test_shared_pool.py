@@ -15,8 +15,9 @@ import redis
 import torch
 
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.tiers.remote import chunk_hashes, encode_value, layer_key, marker_key
 from policies import ServingConfig, make_policy
-from tests.redis_server import RedisServer, require_redis_server
+from tests.redis_server import RedisServer, SlowProxy, require_redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = np.random.default_rng(11).integers(10, 40000, 136).tolist()   # 8 chunks of 16 + 8
@@ -77,11 +78,14 @@ def test_second_process_serves_the_prefix_from_the_pool_bit_exact(server, tmp_pa
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def _engine(rt, store_dir, url):
+def _engine(rt, store_dir, url, secret=None, budget=True):
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    return Engine(rt, store, policy, TierSizes(0, 0, remote_url=url)), store
+    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url, remote_secret=secret))
+    if not budget:   # the pool always worth reading: these tests are about what it holds
+        engine.shared.recompute_s = lambda n, ctx: 1e9
+    return engine, store
 
 
 def _reference(rt, prefix, query, n=3):
@@ -129,13 +133,149 @@ def test_corrupted_pool_value_is_detected_and_recomputed(tiny_runtimes, tmp_path
     value = bytearray(client.get(victim))
     value[-5] ^= 0xFF
     client.set(victim, bytes(value))
-    reader, rstore = _engine(rt, tmp_path / "r", server.url)
+    reader, rstore = _engine(rt, tmp_path / "r", server.url, budget=False)
     try:
         resp = reader.serve(Request(prefix, query, 3))
         assert resp.tokens == _reference(rt, prefix, query)
-        assert reader.shared.tier.metrics()["corrupt_values"] >= 1
+        assert reader.shared.tier.metrics()["corrupt_values"] >= 1, reader.shared.tier.metrics()
         assert reader.shared_fallbacks == 1
-        assert resp.stats.shared_tokens == 0 and resp.stats.computed_tokens == 96 + 6
+        # Served again with the chunks before the damaged one, the rest computed ...
+        assert resp.stats.shared_tokens < 96
+        assert resp.stats.computed_tokens == 96 - resp.stats.shared_tokens + 6
+        # ... and published back: the pool holds the whole prefix again.
+        assert reader.shared.tier.flush(10)
+        hashes = chunk_hashes(reader.shared.namespace_for(""), prefix)
+        assert reader.shared.tier.batch_exists_chunks(hashes) == 6
     finally:
         reader.close()
         rstore.close()
+
+
+def _fill(rt, tmp_path, url, prefix, query, secret=None):
+    writer, wstore = _engine(rt, tmp_path / "w", url, secret)
+    try:
+        writer.serve(Request(prefix, query, 3))
+        assert writer.shared.tier.flush(10)
+        return chunk_hashes(writer.shared.namespace_for(""), prefix)
+    finally:
+        writer.close()
+        wstore.close()
+
+
+def _local_kv(store, prefix):
+    match = store.match_prefix(prefix)
+    try:
+        return [[torch.cat([store.read_layer(n.layers[layer], n)[i][:, :u]
+                            for n, u in match.segments], 1) for i in (0, 1)]
+                for layer in range(len(match.nodes[0].layers))]
+    finally:
+        store.release(match)
+
+
+def _read_back(rt, tmp_path, url, prefix, query, hashes, secret=None):
+    """A reader on an empty store: tokens as computing, the pool whole again after, and its
+    local copy the very KV a writer computed."""
+    reader, rstore = _engine(rt, tmp_path / "r", url, secret, budget=False)
+    try:
+        resp = reader.serve(Request(prefix, query, 3))
+        assert resp.tokens == _reference(rt, prefix, query)
+        assert reader.shared.tier.flush(10)
+        assert reader.shared.tier.batch_exists_chunks(hashes) == len(hashes)
+        # What came from the pool is the writer's bytes; what was computed again agrees
+        # with them to rounding (another prefill's kernels); nothing else was kept.
+        check, cstore = _engine(rt, tmp_path / "w", None)
+        n = resp.stats.shared_tokens
+        try:
+            for mine, truth in zip(_local_kv(rstore, prefix), _local_kv(cstore, prefix)):
+                for a, b in zip(mine, truth):
+                    assert a.shape == b.shape and torch.equal(a[:, :n], b[:, :n])
+                    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        finally:
+            check.close()
+            cstore.close()
+        return resp, reader.shared.tier.metrics(), reader.shared_fallbacks
+    finally:
+        reader.close()
+        rstore.close()
+
+
+def test_swapped_layers_are_recomputed_and_republished(tiny_runtimes, tmp_path, server):
+    rt = tiny_runtimes["llama-tiny"]
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    prefix, query = PREFIX[:96], QUERY
+    hashes = _fill(rt, tmp_path, server.url, prefix, query)
+    a, b = layer_key(hashes[3], 0), layer_key(hashes[3], 1)
+    va, vb = client.get(a), client.get(b)
+    client.set(a, vb)
+    client.set(b, va)
+    resp, m, fallbacks = _read_back(rt, tmp_path, server.url, prefix, query, hashes)
+    assert m["corrupt_values"] >= 1 and fallbacks == 1
+    assert resp.stats.shared_tokens == 3 * 16      # the chunks before the swapped one
+
+
+def test_forged_value_without_the_secret_is_refused(tiny_runtimes, tmp_path, server):
+    rt = tiny_runtimes["llama-tiny"]
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    prefix, query = PREFIX[:96], QUERY
+    hashes = _fill(rt, tmp_path, server.url, prefix, query, secret="pool-secret")
+    # Someone able to write to Redis, without the secret: all-zero KV under the right key
+    # and a correct header, tagged as well as one can without the secret.
+    writer, wstore = _engine(rt, tmp_path / "x", server.url, secret="pool-secret")
+    ns = writer.shared.namespace
+    writer.close()
+    wstore.close()
+    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    client.set(layer_key(hashes[0], 1), encode_value(zeros, ns, hashes[0], 1, b"a guess"))
+    client.set(layer_key(hashes[2], 0), encode_value(zeros, ns, hashes[2], 0))
+    resp, m, _ = _read_back(rt, tmp_path, server.url, prefix, query, hashes, "pool-secret")
+    assert m["corrupt_values"] >= 1
+
+
+def test_evicted_layer_is_not_read_and_is_written_again(tiny_runtimes, tmp_path, server):
+    rt = tiny_runtimes["llama-tiny"]
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    prefix, query = PREFIX[:96], QUERY
+    hashes = _fill(rt, tmp_path, server.url, prefix, query)
+    client.delete(layer_key(hashes[2], 1))           # as allkeys-lru would
+    assert client.exists(marker_key(hashes[2]))
+    resp, m, fallbacks = _read_back(rt, tmp_path, server.url, prefix, query, hashes)
+    assert m["incomplete_chunks"] == 1 and fallbacks == 0
+    assert resp.stats.shared_tokens == 2 * 16
+
+
+def test_slow_pool_is_skipped_by_the_budget(tiny_runtimes, tmp_path, server):
+    rt = tiny_runtimes["llama-tiny"]
+    redis.Redis.from_url(server.url).flushdb()
+    prompts = [(np.random.default_rng(300 + i).integers(10, 40000, 512).tolist(),
+                np.random.default_rng(400 + i).integers(10, 40000, 4).tolist()) for i in range(3)]
+    writer, wstore = _engine(rt, tmp_path / "w", server.url)
+    try:
+        for prefix, query in prompts:
+            writer.serve(Request(prefix, query, 1))
+        assert writer.shared.tier.flush(20)
+    finally:
+        writer.close()
+        wstore.close()
+    proxy = SlowProxy(server.port, 0.4)
+    reader, rstore = _engine(rt, tmp_path / "r", proxy.url)
+    try:
+        reader.shared.tier.timeout_s = 5.0
+        # The cost model says 512 tokens compute in 50 ms; a layer's round trip takes 0.4 s.
+        reader.shared.recompute_s = lambda n, ctx: n * 1e-4
+        shared = []
+        for prefix, query in prompts:
+            resp = reader.serve(Request(prefix, query, 2))
+            assert resp.tokens == _reference(rt, prefix, query, 2)
+            shared.append(resp.stats.shared_tokens)
+        m = reader.shared.tier.metrics()
+        # The first request's first command opened the connection (not a measure); from
+        # the second command on the pool is known slow and skipped.
+        assert shared[1:] == [0, 0] and m["skipped_requests"] >= 2, (shared, m)
+        assert m["down"] == 0
+    finally:
+        reader.close()
+        rstore.close()
+        proxy.close()

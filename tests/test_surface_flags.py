@@ -112,7 +112,12 @@ FLAGS = ["--model", MODEL, "--policy", "as_like", "--plan", "recompute", "--disk
 def test_the_config_holds_what_the_flags_said_once():
     config = ServiceConfig.from_args(run.parse_args(FLAGS))
     assert {f.name for f in dataclasses.fields(ServiceConfig)} == {
-        "runtime", "run", "tiers", "store", "queue_size", "timeout_s"}
+        "runtime", "run", "tiers", "store", "queue_size", "timeout_s", "max_batch_size",
+        "max_batch_tokens"}
+    assert (config.max_batch_size, config.max_batch_tokens) == (8, 8192)
+    sized = ServiceConfig.from_args(run.parse_args(["--max-batch-size", "3",
+                                                    "--max-batch-tokens", "100"]))
+    assert (sized.max_batch_size, sized.max_batch_tokens) == (3, 100)
     assert config.runtime.model == MODEL
     assert (config.run.policy, config.run.plan, config.run.chunk_size, config.run.retention) \
         == ("as_like", "recompute", 32, 0.5)

@@ -1,6 +1,9 @@
 """Weights: seeded random, Hugging Face conversion (cached), GGUF layout."""
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +105,86 @@ def test_bad_checkpoints_are_user_errors(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(UserError, match="not valid JSON"):
         resolve("x", str(tmp_path))
+
+
+def _later(path) -> None:
+    """A rewrite within the clock's granularity may keep the mtime: make it visible."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def _fsynced(monkeypatch) -> list[str]:
+    """Record the path of every file descriptor fsynced from now on."""
+    seen = []
+    real = os.fsync
+
+    def record(fd):
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", record)
+    return seen
+
+
+def test_a_conversion_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x")
+    seen = _fsynced(monkeypatch)
+    done = weights.converted_dir(tmp_path / "cache", "m", [src], np.float16,
+                                 lambda out: weights.save_tensor(out, "a", np.ones(3)))
+    synced = {os.path.basename(p) for p in seen if "convert-" in p}
+    assert {"a", "CONVERTED.json"} <= synced
+    assert (done / "CONVERTED.json").exists()
+
+
+def test_a_damaged_conversion_is_converted_again(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x")
+    calls = []
+
+    def convert(out):
+        calls.append(out)
+        weights.save_tensor(out, "a", np.arange(1000, dtype=np.float32))
+
+    done = weights.converted_dir(tmp_path / "cache", "m", [src], np.float32, convert)
+    digest = weights.content_digest(done)
+    with open(done / "a", "r+b") as f:           # cut short (a crash, a full disk)
+        f.truncate(100)
+    again = weights.converted_dir(tmp_path / "cache", "m", [src], np.float32, convert)
+    assert len(calls) == 2 and again == done
+    assert np.array_equal(np.load(done / "a"), np.arange(1000, dtype=np.float32))
+    assert weights.content_digest(done) == digest
+    # Same size, other bytes, written later: changed since the conversion.
+    data = bytearray((done / "a").read_bytes())
+    data[-1] ^= 0xFF
+    (done / "a").write_bytes(bytes(data))
+    _later(done / "a")
+    weights.converted_dir(tmp_path / "cache", "m", [src], np.float32, convert)
+    assert len(calls) == 3
+
+
+def test_the_content_digest_is_cached_and_follows_the_files(tmp_path, monkeypatch):
+    d = tmp_path / "w"
+    d.mkdir()
+    weights.save_tensor(d, "a", np.ones(4))
+    first = weights.content_digest(d)
+    hashed = []
+    real = weights._hash_files
+    monkeypatch.setattr(weights, "_hash_files", lambda e: hashed.append(1) or real(e))
+    assert weights.content_digest(d) == first and hashed == []      # from DIGEST.json
+    weights.save_tensor(d, "a", np.zeros(4))
+    _later(d / "a")
+    assert weights.content_digest(d) != first and hashed == [1]
+
+
+def test_a_damaged_cached_tokenizer_is_rebuilt(tmp_path, monkeypatch):
+    from impress_flexgen.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))
+    spec = resolve("llama-tiny")
+    ids = load_tokenizer(spec).encode("It is a truth universally acknowledged")
+    (cached,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    (cached / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    seen = _fsynced(monkeypatch)
+    assert load_tokenizer(spec).encode("It is a truth universally acknowledged") == ids
+    assert any(p.endswith("tokenizer.json") for p in seen)          # durable this time
+    json.loads((cached / "tokenizer.json").read_text())             # and whole again

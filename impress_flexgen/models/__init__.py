@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 
 from ..errors import UserError
 from ..paths import weights_dir
-from ..weights import converted_dir, random_weight_path, save_tensor
+from ..weights import content_digest, converted_dir, random_weight_path, save_tensor
 from .llama import SHAPES as LLAMA_SHAPES, LlamaConfig, convert_hf_llama, llama_config_from_hf
 from .opt import PUBLISHED as OPT_PUBLISHED, TINY as OPT_TINY, convert_hf_opt, opt_config, \
     opt_config_from_hf
@@ -30,10 +32,42 @@ class ModelSpec:
     checkpoint: Path | None = None      # --model-path
     tokenizer_dir: Path | None = None   # a checkpoint's own tokenizer
     gguf_file: Path | None = None       # weights and tokenizer from one GGUF file
+    # SHA-256 of the weights themselves: the converted files' contents, or for random
+    # weights the family, shape and seed. Stored KV is keyed by it (with the dtypes and the
+    # chunk size: engine.model_shape), never by the name.
+    weights_digest: str = ""
 
     @property
     def random_weights(self) -> bool:
         return self.seed is not None
+
+
+def random_weights_digest(family: str, config, seed: int, std: float = 0.02) -> str:
+    """The identity of seeded random weights: what random_tensor() draws from."""
+    shape = {k: v for k, v in sorted(vars(config).items())
+             if k not in ("dtype", "max_seq_len") and isinstance(v, (int, float, str, bool))}
+    text = json.dumps({"random": family, "shape": shape, "seed": seed, "std": std},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_HASH_DIR = re.compile(r"[0-9a-f]{40,64}")
+
+
+def checkpoint_label(path: Path) -> str:
+    """A checkpoint's own name: its directory's, or, for a Hugging Face cache snapshot
+    (named by a commit hash), the name its config was saved from."""
+    path = path.resolve()
+    label = path.name
+    if _HASH_DIR.fullmatch(label):
+        try:
+            saved = json.loads((path / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if isinstance(saved, str) and saved.strip("/"):
+            label = saved.rstrip("/").rsplit("/", 1)[-1]
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "checkpoint"
+    return label[:64]
 
 
 def default_dtype(family: str):
@@ -100,11 +134,15 @@ def convert_gguf_llama(path: Path, config: LlamaConfig, dtype) -> Path:
     return converted_dir(weights_dir(), config.name, [path], dtype, convert)
 
 
-def resolve(name: str, model_path: str | None = None, seed: int = 0,
+def resolve(name: str | None, model_path: str | None = None, seed: int = 0,
             dtype=None) -> ModelSpec:
-    """Find what to build for `--model NAME [--model-path DIR]`."""
+    """Find what to build for `--model NAME [--model-path DIR]`. With a checkpoint, NAME is
+    its label unless it is None or one of ours (the default --model): then the
+    checkpoint's own name is (checkpoint_label)."""
     if model_path is not None:
-        return _from_checkpoint(name, Path(model_path).expanduser(), dtype)
+        path = Path(model_path).expanduser()
+        label = name if name is not None and name not in MODEL_NAMES else None
+        return _from_checkpoint(label, path, dtype)
     if name not in MODEL_NAMES:
         raise UserError(f"unknown model '{name}'; choose one of: {', '.join(MODEL_NAMES)}")
     if name in LLAMA_SHAPES:
@@ -112,14 +150,17 @@ def resolve(name: str, model_path: str | None = None, seed: int = 0,
         config = dataclasses.replace(LLAMA_SHAPES[name], dtype=dtype)
         if name == "smollm2-135m":
             gguf_path = smollm2_gguf()
-            return ModelSpec(name, "llama", config, str(convert_gguf_llama(gguf_path, config, dtype)),
-                             None, gguf_file=gguf_path)
-        return ModelSpec(name, "llama", config, random_weight_path(seed), seed)
+            converted = convert_gguf_llama(gguf_path, config, dtype)
+            return ModelSpec(name, "llama", config, str(converted), None,
+                             gguf_file=gguf_path, weights_digest=content_digest(converted))
+        return ModelSpec(name, "llama", config, random_weight_path(seed), seed,
+                         weights_digest=random_weights_digest("llama", config, seed))
     config = dataclasses.replace(opt_config(name), dtype=dtype or default_dtype("opt"))
-    return ModelSpec(name, "opt", config, random_weight_path(seed), seed)
+    return ModelSpec(name, "opt", config, random_weight_path(seed), seed,
+                     weights_digest=random_weights_digest("opt", config, seed))
 
 
-def _from_checkpoint(name: str, path: Path, dtype) -> ModelSpec:
+def _from_checkpoint(name: str | None, path: Path, dtype) -> ModelSpec:
     if not path.is_dir():
         raise UserError(f"--model-path {path}: no such directory")
     cfg_file = path / "config.json"
@@ -129,6 +170,7 @@ def _from_checkpoint(name: str, path: Path, dtype) -> ModelSpec:
         model_type = json.loads(cfg_file.read_text()).get("model_type")
     except json.JSONDecodeError as exc:
         raise UserError(f"{cfg_file}: not valid JSON ({exc.msg})") from None
+    name = name or checkpoint_label(path)
     has_tokenizer = any((path / f).exists() for f in
                         ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
     tok = path if has_tokenizer else None
@@ -136,12 +178,14 @@ def _from_checkpoint(name: str, path: Path, dtype) -> ModelSpec:
         # The converted files stay fp16 (the checkpoint's precision); loading casts them.
         config = dataclasses.replace(opt_config_from_hf(path, name),
                                      dtype=dtype or default_dtype("opt"))
-        return ModelSpec(name, "opt", config, str(convert_hf_opt(path, weights_dir())), None,
-                         path, tok)
+        converted = convert_hf_opt(path, weights_dir())
+        return ModelSpec(name, "opt", config, str(converted), None, path, tok,
+                         weights_digest=content_digest(converted))
     if model_type in ("llama", "mistral"):
         dtype = dtype or default_dtype("llama")
         config = dataclasses.replace(llama_config_from_hf(path, name), dtype=dtype)
-        return ModelSpec(name, "llama", config,
-                         str(convert_hf_llama(path, weights_dir(), dtype)), None, path, tok)
+        converted = convert_hf_llama(path, weights_dir(), dtype)
+        return ModelSpec(name, "llama", config, str(converted), None, path, tok,
+                         weights_digest=content_digest(converted))
     raise UserError(f"--model-path {path}: model type '{model_type}' is not supported "
                     "(OPT and Llama are)")

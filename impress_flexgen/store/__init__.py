@@ -1,10 +1,10 @@
 """The prefix KV store: chunked files on disk, a radix tree in SQLite, copy-on-write reorders."""
-from .config import (CHUNK_SIZE, STORE_FORMAT, CorruptNode, ModelShape, StoreConfig, StoreFull,
-                     StoreWriteFailed)
+from .config import (CHUNK_SIZE, LAYOUT_VERSION, STORE_FORMAT, CorruptNode, ModelShape,
+                     StoreConfig, StoreFull, StoreWriteFailed, model_fingerprint)
 from .entries import LayerEntry, LayerStats, StoreMetrics
 from .prefix_store import PrefixStore
 from .reorder import ReorderEngine
 
-__all__ = ["CHUNK_SIZE", "STORE_FORMAT", "CorruptNode", "LayerEntry", "LayerStats", "ModelShape",
-           "PrefixStore", "ReorderEngine", "StoreConfig", "StoreFull", "StoreMetrics",
-           "StoreWriteFailed"]
+__all__ = ["CHUNK_SIZE", "LAYOUT_VERSION", "STORE_FORMAT", "CorruptNode", "LayerEntry",
+           "LayerStats", "ModelShape", "PrefixStore", "ReorderEngine", "StoreConfig", "StoreFull",
+           "StoreMetrics", "StoreWriteFailed", "model_fingerprint"]

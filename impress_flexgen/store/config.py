@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 from ..errors import UserError
 from ..radix import RadixNode
@@ -28,14 +30,54 @@ class StoreFull(StoreWriteFailed):
     metadata database is full."""
 
 
+# Version of what a stored chunk's bytes mean (the layer file layout, the KV dtype on disk
+# and how a chunk's tokens are laid out): part of every store identity.
+LAYOUT_VERSION = 2
+KV_DTYPE = "float16"     # the KV dtype of stored chunks, whatever the compute dtype
+
+
+class DiskFull(StoreFull):
+    """Writing a layer file failed with ENOSPC: the disk itself is full."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What a store's KV belongs to; a store refuses KV of another shape."""
+    """What a store's KV belongs to; a store refuses KV of another shape or identity.
+
+    `fingerprint` says which weights computed the KV (model_fingerprint()); "" only for
+    shapes made by hand (benchmarks, tests), which then share nothing with a real model's."""
 
     name: str
     n_layers: int
     n_kv_heads: int
     head_dim: int
+    fingerprint: str = ""
+
+    @property
+    def short_id(self) -> str:
+        """The fingerprint's first 12 hex digits (names of default store folders)."""
+        return self.fingerprint[:12]
+
+
+def model_fingerprint(weights_digest: str, compute_dtype: str, chunk_size: int,
+                      kv_dtype: str = KV_DTYPE, layout: int = LAYOUT_VERSION) -> str:
+    """The identity of stored KV: the same only for the same weights (content, not name),
+    computed in the same dtype, stored in the same dtype, chunk size and layout."""
+    text = json.dumps({"weights": weights_digest, "compute_dtype": compute_dtype,
+                       "kv_dtype": kv_dtype, "chunk_size": int(chunk_size),
+                       "layout": int(layout)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def namespace_key(namespace: str) -> str:
+    """What a store keeps of a request's namespace (its tenant): a digest, so that an API
+    key never sits in the database; "" for the shared namespace."""
+    if not isinstance(namespace, str):
+        raise TypeError("a namespace is a string")
+    if namespace == "":
+        return ""
+    return hashlib.sha256(b"impress_flexgen-namespace\0" +
+                          namespace.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 # Tokens per stored chunk, everywhere a chunk size is not given (run, serve, request files,

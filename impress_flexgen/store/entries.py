@@ -89,6 +89,7 @@ class StoreMetrics:
     quarantined_nodes: int = 0
     inserts: int = 0
     insert_retries: int = 0       # inserts redone because the tree changed meanwhile
+    superseded: int = 0           # inexact nodes removed for exact KV of the same tokens
 
     @property
     def read_amplification(self) -> float:

@@ -63,6 +63,24 @@ class _Eviction:
             self.metrics.evictions += 1
             return victim
 
+    def _evict_bytes(self, nbytes: int) -> int:
+        """Evict unlocked leaves until their files add up to `nbytes` (a disk found full);
+        returns the bytes freed (0: nothing could go)."""
+        freed = 0
+        with self.lock:
+            while freed < nbytes:
+                try:
+                    victim = self.evict_leaf()
+                except StoreWriteFailed:
+                    break
+                if victim is None:
+                    break
+                freed += sum(e.layout.file_bytes for e in victim.layers)
+        if freed:
+            log.warning("store %s: disk full; evicted %d bytes of prefixes to store a new one",
+                        self.dir, freed)
+        return freed
+
     def _make_room(self, new_bytes: int) -> None:
         """Evict until `new_bytes` more fit under the capacity, then reserve them (files
         being written by concurrent inserts count before they are committed); the caller
@@ -105,7 +123,7 @@ class _Eviction:
     def _quarantine_file(self, path: Path) -> None:
         """Keep a hard link to a store file in quarantine/ (a link, never its target)."""
         try:
-            self.quarantine_dir.mkdir(exist_ok=True)
+            self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
             os.link(path, self.quarantine_dir / path.name, follow_symlinks=False)
         except OSError:
             pass      # gone, or a link across file systems: nothing to keep

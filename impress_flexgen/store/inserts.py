@@ -3,6 +3,7 @@ then one metadata transaction (with the split of a partly matched node) makes th
 from __future__ import annotations
 
 import errno
+import os
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ from disk_layout.io import write_durable
 from disk_layout.metadata import LayerRow, MetadataError, MetadataFull
 
 from ..radix import PrefixMatch, RadixNode
-from .config import StoreFull, StoreWriteFailed
+from .config import DiskFull, StoreFull, StoreWriteFailed, namespace_key
 from .entries import LayerEntry, LayerStats
 
 
@@ -33,12 +34,19 @@ class _Inserts:
         except MetadataError as exc:
             raise StoreWriteFailed(f"metadata write failed while {what}: {exc}") from None
 
-    def insert(self, tokens, start: int, kv) -> list[RadixNode]:
-        """Store the KV of tokens[start:end] (end = last whole chunk of `tokens`).
+    def insert(self, tokens, start: int, kv, namespace: str = "", exact: bool = True
+               ) -> list[RadixNode]:
+        """Store the KV of tokens[start:end] (end = last whole chunk of `tokens`) in
+        `namespace`.
 
         `kv[layer]` is (K, V), each (kv_heads, n, head_dim) for positions start..start+n,
         n >= end - start. `start` must be chunk-aligned and lie within the stored prefix of
         `tokens` (normally match.length). Returns the nodes now covering tokens[:end].
+
+        `exact`: the KV was computed with full attention over an exact prefix. Inexact KV
+        is stored flagged (exact-only matches stop before it); exact KV supersedes the
+        inexact nodes in its way (removed, unless a request holds them: then nothing is
+        stored). Exact KV whose stored prefix before `start` is inexact is stored inexact.
 
         Files are written and fsynced with the path pinned but without the store lock, so
         other requests go on meanwhile; the commit then checks that the tree still looks as
@@ -50,10 +58,21 @@ class _Inserts:
         end = len(tokens) // c * c
         if start % c:
             raise ValueError("insert start must be chunk-aligned")
+        ns = namespace_key(namespace)
+        # Room a full disk must make before a retry: the new files, a split's at most.
+        need = 2 * self.shape.n_layers * self._layout(max(c, end - start)).file_bytes
+        freed_for_full = 0
         for _ in range(8):
             with self.lock:
-                match = self.tree.match_prefix(tokens[:end])
+                if exact and self.tree.match_prefix(tokens[:end], ns, True).length < start:
+                    exact = False     # below an inexact prefix: inexact by descent
+                match = self.tree.match_prefix(tokens[:end], ns, exact_only=exact)
                 have = match.length
+                if exact and have < end:
+                    blocker = self.tree.next_child(tokens[:end], match, ns)
+                    if blocker is not None and not blocker.exact:
+                        self._supersede(blocker)
+                        continue
                 if have < start:
                     # Only a quarantine removes a pinned prefix: nothing to attach to now.
                     raise StoreWriteFailed(f"insert at {start} but only {have} tokens are "
@@ -69,7 +88,20 @@ class _Inserts:
                 # only their physical order, so the halves (written in logical order) hold.
                 seen = list(last.layers) if split_at is not None else None
             try:
-                node = self._insert_pinned(tokens[:end], start, kv, match, have, split_at, seen)
+                node = self._insert_pinned(tokens[:end], start, kv, match, have, split_at, seen,
+                                           ns, exact)
+            except DiskFull:
+                # No capacity set and the disk itself is full: evict leaves nobody holds
+                # (this insert's path is pinned) and try again, or nothing new is ever
+                # stored again. A disk with room left (a passing fault) evicts nothing.
+                if self.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
+                        or self._free_bytes() >= need:
+                    raise
+                made = self._evict_bytes(need)
+                if not made:
+                    raise
+                freed_for_full += made
+                node = None
             finally:
                 with self.lock:
                     for freed in self.tree.unlock(match):
@@ -79,8 +111,27 @@ class _Inserts:
                     return self.tree.path_to(node)
         raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
 
+    def _free_bytes(self) -> int:
+        """Bytes this user may still write on the store's file system."""
+        try:
+            st = os.statvfs(self.data_dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def _supersede(self, node: RadixNode) -> None:
+        """Under the lock: remove an inexact node (and the prefixes below it, inexact by
+        descent) that exact KV of the same tokens replaces."""
+        doomed = self.tree.subtree(node)
+        if any(n.lock_count for n in doomed):
+            raise StoreWriteFailed("an approximate copy of this prefix is in use; its exact "
+                                   "KV is not stored this time")
+        self._remove_subtree(node)
+        self.metrics.superseded += len(doomed)
+
     def _insert_pinned(self, tokens, start, kv, match: PrefixMatch, have: int,
-                       split_at: int | None, seen) -> RadixNode | None:
+                       split_at: int | None, seen, ns: str = "", exact: bool = True
+                       ) -> RadixNode | None:
         """Write the files of an insert (and of the split it needs), then commit them if the
         tree is unchanged; None: it changed, nothing was kept."""
         last = match.segments[-1][0] if match.segments else None
@@ -101,10 +152,13 @@ class _Inserts:
                 split = self._write_split(last, split_at, seen, names)
             files = self._write_files(layout, layers, names)
             with self.lock:
-                if self.tree.match_prefix(tokens).segments != match.segments:
+                if self.tree.match_prefix(tokens, ns, exact).segments != match.segments or \
+                        (exact and (n := self.tree.next_child(tokens, match, ns)) is not None
+                         and not n.exact):
                     self.metrics.insert_retries += 1
                     return None
-                node = self._commit_insert(last, split, have, new_tokens, layout, files)
+                node = self._commit_insert(last, split, have, new_tokens, layout, files, ns,
+                                           exact and (last is None or last.exact))
                 names = []            # committed: the files are the store's now
                 self.metrics.inserts += 1
                 return node
@@ -124,7 +178,7 @@ class _Inserts:
                 crcs = self._write_layer_file(self.data_dir / name, layout, k, v)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
-                    raise StoreFull(f"disk full while writing {self.data_dir}") from None
+                    raise DiskFull(f"disk full while writing {self.data_dir}") from None
                 raise StoreWriteFailed(f"cannot write {self.data_dir}: {exc}") from None
             out.append((name, crcs))
         return out
@@ -141,7 +195,8 @@ class _Inserts:
                 "tail": (tail_layout, self._write_files(tail_layout, tail, names))}
 
     def _commit_insert(self, last: RadixNode | None, split: dict | None, have: int,
-                       tokens: np.ndarray, layout: LayerFileLayout, files) -> RadixNode:
+                       tokens: np.ndarray, layout: LayerFileLayout, files, ns: str = "",
+                       exact: bool = True) -> RadixNode:
         """Under the lock: one transaction makes the split (if any) and the new node visible,
         then the tree follows."""
         def commit():
@@ -149,11 +204,13 @@ class _Inserts:
                 parent_id = last.id if last is not None else None
                 if split is not None:
                     old = split["node"]
-                    grand = old.parent if old.parent is not self.tree.root else None
+                    grand = None if self.tree.is_root(old.parent) else old.parent
                     head_id = self.meta.add_node(grand.id if grand else None, old.start,
-                                                 old.tokens[:split["at"]])
+                                                 old.tokens[:split["at"]], old.exact,
+                                                 old.namespace)
                     tail_id = self.meta.add_node(head_id, old.start + split["at"],
-                                                 old.tokens[split["at"]:])
+                                                 old.tokens[split["at"]:], old.exact,
+                                                 old.namespace)
                     for nid, part in ((head_id, "head"), (tail_id, "tail")):
                         for layer, (name, crcs) in enumerate(split[part][1]):
                             self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
@@ -162,7 +219,7 @@ class _Inserts:
                     self.meta.delete_node(old.id)
                     split["ids"] = (head_id, tail_id)
                     parent_id = head_id
-                nid = self.meta.add_node(parent_id, have, tokens)
+                nid = self.meta.add_node(parent_id, have, tokens, exact, ns)
                 for layer, (name, crcs) in enumerate(files):
                     self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
                 return nid
@@ -171,7 +228,8 @@ class _Inserts:
         parent = last
         if split is not None:
             parent = self._apply_split(split)
-        node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time())
+        node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time(),
+                         exact=exact, namespace=ns)
         node.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None, crcs)
                        for layer, (name, crcs) in enumerate(files)]
         for layer in range(len(files)):
@@ -188,7 +246,8 @@ class _Inserts:
                                      (split["ids"][1], "tail", slice(at, None), node.start + at)):
             layout, files = split[part]
             new = RadixNode(nid, None, start, node.tokens[sl].copy(), hits=node.hits,
-                            last_access=node.last_access)
+                            last_access=node.last_access, exact=node.exact,
+                            namespace=node.namespace)
             new.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None,
                                      crcs) for layer, (name, crcs) in enumerate(files)]
             for layer in range(len(files)):

@@ -21,12 +21,31 @@ from .entries import LayerEntry, LayerStats
 log = logging.getLogger("impress_flexgen.store")
 
 
+def _owner_only(path, mode: int) -> None:
+    """Take group and other permissions off a store path we own (stores made before they
+    were private included); one we do not own, or that is gone, is left as it is."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid == os.getuid() and st.st_mode & 0o077 and not os.path.islink(path):
+        os.chmod(path, mode)
+
+
 class _Opening:
     """Checks, locks and recovers the store directory (part of PrefixStore)."""
 
     def _open_metadata(self) -> None:
         self._refuse_lost_metadata()
-        self.meta = Metadata(str(self.dir / "store.sqlite"))
+        db = self.dir / "store.sqlite"
+        try:
+            # Made 0600 before SQLite opens it (its journal files take the same mode).
+            os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            for path in (db, self.dir / "store.sqlite-wal", self.dir / "store.sqlite-shm"):
+                _owner_only(path, 0o600)
+        except OSError as exc:
+            raise UserError(f"cannot open {db}: {exc.strerror or exc}") from None
+        self.meta = Metadata(str(db))
         self._init_meta()
         self._recover()
 
@@ -41,7 +60,11 @@ class _Opening:
             if path.is_symlink() or (path.exists() and not path.is_dir()):
                 raise UserError(f"{path} is not a directory; the store was left as it is")
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # Owner only: the database holds prompts' token ids, the files their KV.
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            for path in (self.dir, self.data_dir):
+                _owner_only(path, 0o700)
             # Root ignores permission bits: only a real write proves the directory writable.
             probe = self.dir / f".write-test-{os.getpid()}-{threading.get_ident()}"
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -53,7 +76,7 @@ class _Opening:
 
     def _lock_directory(self) -> int:
         try:
-            fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise UserError(f"cannot open {self.dir / 'store.lock'}: "
                             f"{exc.strerror or exc}") from None
@@ -79,8 +102,10 @@ class _Opening:
                             "choose another --store-dir)")
 
     def _init_meta(self) -> None:
-        want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION,
-                "model": dataclasses.asdict(self.shape), "chunk_size": self.config.chunk_size,
+        model = dataclasses.asdict(self.shape)
+        fingerprint = model.pop("fingerprint")
+        want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION, "model": model,
+                "fingerprint": fingerprint, "chunk_size": self.config.chunk_size,
                 "probe_heads": list(self.config.probe_heads),
                 "probe_format": self.config.probe_format, "packed": self.packed}
         have = self.meta.get_meta()
@@ -98,6 +123,23 @@ class _Opening:
             if have.get(key) != want[key]:
                 raise UserError(f"store {self.dir} was made with {key}={have.get(key)}, "
                                 f"not {want[key]}; use another --store-dir")
+        self._check_identity(have.get("fingerprint", ""), fingerprint)
+
+    def _check_identity(self, have: str, want: str) -> None:
+        """The same name and shape are not the same model: KV is served only to the
+        weights (and dtypes, chunk size, layout) that computed it."""
+        if have == want:
+            return
+        if not have:
+            raise UserError(f"store {self.dir} was made before stores recorded which weights "
+                            "computed their KV, so its KV cannot be trusted for this model; "
+                            "delete it or use another --store-dir")
+        if not want:
+            raise UserError(f"store {self.dir} belongs to the model {have[:12]}, not to an "
+                            "unidentified one; use another --store-dir")
+        raise UserError(f"store {self.dir} holds KV of another model, weights or dtype "
+                        f"(identity {have[:12]}, this model is {want[:12]}); use another "
+                        "--store-dir")
 
     def _recover(self) -> None:
         """Load the tree from committed rows that pass their checks; take nodes that fail
@@ -141,8 +183,14 @@ class _Opening:
                 if row.start != expect:
                     bad[nid] = f"starts at {row.start}, its parent ends at {expect}"
                     continue
+                if parent is not None and row.namespace != parent.namespace:
+                    bad[nid] = "its namespace is not its parent's"
+                    continue
+                # Exact only below an exact parent: KV over inexact KV is inexact.
                 node = RadixNode(nid, parent, row.start, row.tokens.copy(), hits=row.hits,
-                                 last_access=row.last_access)
+                                 last_access=row.last_access,
+                                 exact=row.exact and (parent is None or parent.exact),
+                                 namespace=row.namespace)
                 node.layers = [self._entry(r, len(row.tokens)) for r in layers]
                 try:
                     self.tree.attach(node)

@@ -1,13 +1,13 @@
 """The durable radix store: one object a request talks to, from match to release.
 
-    match = store.match_prefix(tokens)          # longest chunk-aligned prefix, locked
+    match = store.match_prefix(tokens, namespace, exact_only)   # longest stored prefix, locked
     for layer in range(n_layers):
         entry = store.entry(node, layer)        # one immutable version of (node, layer)
         probe = store.read_probe(entry)         # probe heads' keys, physical order
         load = store.submit(entry, {"k": ids, "v": ids})   # tiers first, then the disk
         chunks, served = store.wait(load)       # CRC-checked; bytes served per tier
         store.record_selection(entry, ...)      # importance feeds reorder and the tiers
-    store.insert(tokens, match.length, kv)      # the newly computed prefix part
+    store.insert(tokens, match.length, kv, namespace, exact)   # the newly computed part
     store.release(match)
 
 Its jobs live one per file: opening and recovery (opening.py), disk reads (reads.py),
@@ -34,7 +34,7 @@ from disk_layout.metadata import MetadataError
 from ..errors import UserError
 from ..radix import PrefixMatch, RadixNode, RadixTree
 from .accounting import _Accounting
-from .config import ModelShape, StoreConfig, StoreWriteFailed
+from .config import ModelShape, StoreConfig, StoreWriteFailed, namespace_key
 from .entries import LayerEntry, LayerStats, StoreMetrics
 from .eviction import _Eviction
 from .importance import _Importance
@@ -92,10 +92,13 @@ class PrefixStore(_Opening, _Reads, _TieredLoads, _Importance, _Inserts, _Evicti
         self._reorder = ReorderEngine(self) if config.reorder_interval > 0 else None
         self._closed = False
 
-    def match_prefix(self, tokens) -> PrefixMatch:
-        """Longest chunk-aligned stored prefix of `tokens`, locked until release()."""
+    def match_prefix(self, tokens, namespace: str = "", exact_only: bool = False
+                     ) -> PrefixMatch:
+        """Longest chunk-aligned stored prefix of `tokens` in `namespace` (a tenant: prefixes
+        are never shared across namespaces), locked until release(). `exact_only`: stop
+        before the first node whose KV was computed over a selection of its prefix."""
         with self.lock:
-            match = self.tree.match_prefix(tokens)
+            match = self.tree.match_prefix(tokens, namespace_key(namespace), exact_only)
             self.tree.lock(match)
             now = time.time()
             for node in match.nodes:

@@ -1,36 +1,32 @@
-"""A remote tier on Redis/Valkey: one pool of prefix KV shared by several serving processes.
+"""A remote tier on Redis/Valkey (one server or a cluster): one pool of prefix KV shared by
+several serving processes.
 
-Chunks are named by content, not by a process's node ids: the key of chunk i is a chained
-hash over the prompt's token ids up to the end of chunk i, seeded with everything that fixes
-the KV layout (model, shape, dtype, chunk size, LAYOUT_VERSION). Any process serving the same
-model and token prefix therefore computes the same keys and can read what another published.
-
-One Redis value holds one chunk of one layer, K and V stacked as (2, kv_heads, C, head_dim),
-behind a header (magic, version, CRC-32, dtype, shape) that is checked on every read: a bad
-value is a miss and is deleted. After all layers of a chunk are written a small completion
-marker is set, so "is this prefix held?" costs one key per chunk.
+Keys, values and their checks are in remote_codec: chunks are named by content, and a value
+is only served when its tag proves it is the layer of the chunk its key names. A chunk is
+held only while its completion marker AND every one of its layers are there: a chunk that
+lost a layer (evicted) has its marker deleted (counted) and is written again by the next
+process that computes it. Layer values are written with an expiry that is lifted only once
+the marker is set (or kept, with ttl_s), so a half-written chunk never outlives its writer
+by long.
 
 The tier degrades, never fails: a Redis error or timeout marks it down for retry_after_s, and
 while down every call answers misses at once without touching the network. Writes go through
 a bounded queue to a writer thread; a full queue drops the chunk (counted), never the caller.
+It measures itself (an EWMA of each command's latency and of its seconds per byte), so that
+a caller can tell when loading from it would be slower than computing.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import logging
 import queue
-import struct
 import threading
 import time
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Self
 
-import numpy as np
 import redis
 import redis.backoff
 import redis.exceptions
@@ -39,168 +35,31 @@ import torch
 
 from ..errors import UserError
 from .base import nbytes, payload_crc
+from .remote_codec import (  # noqa: F401 - re-exported: the tier's public names
+    DIGEST_SIZE,
+    HEADER_SIZE,
+    KEY_PREFIX,
+    LAYOUT_VERSION,
+    RemoteNamespace,
+    chunk_hashes,
+    decode_value,
+    encode_value,
+    layer_key,
+    marker_key,
+)
+from .remote_url import cluster_nodes, is_cluster, redact_url, validate_url  # noqa: F401
 
 log = logging.getLogger("impress_flexgen.tiers.remote")
 
-# Bump when the value layout or the key derivation changes: old keys then simply miss.
-LAYOUT_VERSION = 1
-DIGEST_SIZE = 16
-KEY_PREFIX = b"ifkv:"
-
-_DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "float16": (1, torch.float16),
-    "bfloat16": (2, torch.bfloat16),
-    "float32": (3, torch.float32),
-}
-# magic, layout version, dtype code, reserved, CRC-32 of the payload, 4-D shape
-_HEADER = struct.Struct("<4sBBHI4I")
-_MAGIC = b"IFKV"
-_SCHEMES = ("redis", "rediss", "unix")
 _COUNTERS = ("hits", "misses", "bytes_in", "bytes_served", "corrupt_values", "errors",
-             "dropped_writes", "refused_puts", "chunks_written", "down_events")
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteNamespace:
-    """Everything that fixes the bytes of a chunk's KV; two processes share keys iff equal."""
-    model: str
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str  # "float16" | "bfloat16" | "float32"
-    chunk_size: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise UserError("remote namespace: model must be a non-empty name")
-        for field in ("n_layers", "n_kv_heads", "head_dim", "chunk_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"remote namespace: {field} must be a positive integer, "
-                                f"got {value!r}")
-        if self.dtype not in _DTYPES:
-            raise UserError(f"remote namespace: dtype {self.dtype!r} is not supported; "
-                            f"expected one of {sorted(_DTYPES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype][1]
-
-    @property
-    def value_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one stored value: K and V of one chunk of one layer."""
-        return (2, self.n_kv_heads, self.chunk_size, self.head_dim)
-
-    def seed(self) -> bytes:
-        """h_0 of the chain. JSON of a list keeps the encoding unambiguous for any model name."""
-        fields = [LAYOUT_VERSION, self.model, self.n_layers, self.n_kv_heads, self.head_dim,
-                  self.dtype, self.chunk_size]
-        encoded = json.dumps(fields, separators=(",", ":")).encode()
-        return hashlib.blake2b(encoded, digest_size=DIGEST_SIZE).digest()
-
-
-def chunk_hashes(namespace: RemoteNamespace, tokens: Any) -> list[bytes]:
-    """One digest per whole chunk of `tokens`: h_{i+1} = blake2b(h_i || int32 tokens of chunk i).
-
-    The digest of chunk i thus names its KV given every token before it. A partial tail chunk
-    has no digest (its KV is never shared).
-    """
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise ValueError(f"tokens must be a 1-D sequence of integer ids, got shape "
-                         f"{ids.shape} of {ids.dtype}")
-    info = np.iinfo(np.int32)
-    if ids.size and (ids.min() < info.min or ids.max() > info.max):
-        raise ValueError("token ids must fit in int32")
-    # Little-endian explicitly: keys must agree across machines.
-    raw = ids.astype("<i4", copy=False).tobytes()
-    c = namespace.chunk_size
-    step = 4 * c
-    out: list[bytes] = []
-    h = namespace.seed()
-    for i in range(ids.size // c):
-        m = hashlib.blake2b(h, digest_size=DIGEST_SIZE)
-        m.update(raw[i * step:(i + 1) * step])
-        h = m.digest()
-        out.append(h)
-    return out
-
-
-def layer_key(chunk_hash: bytes, layer: int) -> bytes:
-    """Redis key of one layer of one chunk."""
-    return KEY_PREFIX + chunk_hash.hex().encode() + b":" + str(layer).encode()
-
-
-def marker_key(chunk_hash: bytes) -> bytes:
-    """Redis key set once every layer of the chunk has been written."""
-    return KEY_PREFIX + chunk_hash.hex().encode() + b":done"
-
-
-def encode_value(tensor: torch.Tensor, namespace: RemoteNamespace, crc: int | None = None) -> bytes:
-    """Header + payload bytes of one (2, kv_heads, C, head_dim) tensor."""
-    if tuple(tensor.shape) != namespace.value_shape or tensor.dtype != namespace.torch_dtype:
-        raise ValueError(f"remote tier stores {namespace.dtype} tensors of shape "
-                         f"{namespace.value_shape}; got {tensor.dtype} {tuple(tensor.shape)}")
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    # A given crc is the one the bytes had at their source: keeping it (not recomputing) lets
-    # a reader catch a copy damaged on the way here.
-    crc = payload_crc(t) if crc is None else int(crc) & 0xFFFFFFFF
-    header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, _DTYPES[namespace.dtype][0], 0, crc,
-                          *namespace.value_shape)
-    return b"".join((header, t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def decode_value(value: bytes, namespace: RemoteNamespace) -> torch.Tensor | str:
-    """The tensor in `value`, or the reason it is unusable (a str)."""
-    if len(value) < _HEADER.size:
-        return "truncated header"
-    magic, version, code, _, crc, *shape = _HEADER.unpack_from(value)
-    if magic != _MAGIC:
-        return "bad magic"
-    if version != LAYOUT_VERSION:
-        return f"layout version {version}"
-    if code != _DTYPES[namespace.dtype][0]:
-        return f"dtype code {code}"
-    if tuple(shape) != namespace.value_shape:
-        return f"shape {tuple(shape)}"
-    dtype = namespace.torch_dtype
-    expected = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if len(value) - _HEADER.size != expected:
-        return f"payload of {len(value) - _HEADER.size} bytes, expected {expected}"
-    # One copy into a writable buffer: the caller owns the tensor it gets.
-    buf = bytearray(memoryview(value)[_HEADER.size:])
-    tensor = torch.frombuffer(buf, dtype=dtype).view(*shape)
-    if payload_crc(tensor) != crc:
-        return "CRC mismatch"
-    return tensor
-
-
-def validate_url(url: str) -> None:
-    if not isinstance(url, str) or not url:
-        raise UserError("remote tier: url must be like redis://HOST:PORT/DB")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in _SCHEMES:
-        raise UserError(f"remote tier: url {url!r} must start with one of "
-                        f"{', '.join(s + '://' for s in _SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise UserError(f"remote tier: url {url!r} names no socket path")
-        return
-    if not parts.hostname:
-        raise UserError(f"remote tier: url {url!r} names no host (e.g. redis://127.0.0.1:6379/0)")
-    try:
-        _ = parts.port  # raises on a non-numeric or out-of-range port
-    except ValueError:
-        raise UserError(f"remote tier: url {url!r} has a bad port; expected 1..65535") from None
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise UserError(f"remote tier: url {url!r} has a bad database {db!r}; expected a number")
-
+             "dropped_writes", "refused_puts", "chunks_written", "down_events",
+             "incomplete_chunks", "skipped_requests")
+# Layer values of a chunk whose marker is not written yet expire after this (no ttl_s).
+ORPHAN_TTL_S = 600
+# Weight of the newest sample in the latency and bandwidth averages.
+EWMA = 0.3
+# Bytes a connection reads from its socket at once: a layer of a long prefix is megabytes.
+READ_SIZE = 1 << 20
 
 class _Pending:
     """What submit_get returns: a future, or an answer known at once (tier down, no keys)."""
@@ -222,7 +81,8 @@ class RedisTier:
 
     def __init__(self, url: str, namespace: RemoteNamespace, *, timeout_s: float = 0.5,
                  retry_after_s: float = 5.0, queue_chunks: int = 1024,
-                 ttl_s: int | None = None, name: str = "remote") -> None:
+                 ttl_s: int | None = None, secret: bytes | str | None = None,
+                 name: str = "remote") -> None:
         validate_url(url)
         if not isinstance(namespace, RemoteNamespace):
             raise UserError("remote tier: namespace must be a RemoteNamespace")
@@ -236,22 +96,37 @@ class RedisTier:
         if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 1):
             raise UserError(f"remote tier: ttl_s must be a positive number of seconds or None, "
                             f"got {ttl_s!r}")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and not secret:
+            raise UserError("remote tier: the shared secret is empty")
+        self.secret = secret
         self.name = name
         self.url = url
-        self.namespace = namespace
+        self.shown_url = redact_url(url)   # what logs print: never a password
+        # Keyed and plain values live under different keys: neither reads the other's.
+        self.namespace = dataclasses.replace(namespace, keyed=secret is not None)
         self.timeout_s = float(timeout_s)
         self.retry_after_s = float(retry_after_s)
         self.queue_chunks = queue_chunks
         self.ttl_s = ttl_s
-        try:
-            # No retries inside redis-py: one failure marks the tier down, so no request
-            # waits longer than one timeout on a dead server.
-            self._pool = redis.ConnectionPool.from_url(
-                url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
-        except ValueError as exc:
-            raise UserError(f"remote tier: bad url {url!r}: {exc}") from None
-        self._client = redis.Redis(connection_pool=self._pool)
+        self.cluster = is_cluster(url)
+        self._pool = None
+        self._cluster_client = None
+        if not self.cluster:
+            try:
+                # No retries inside redis-py: one failure marks the tier down, so no request
+                # waits longer than one timeout on a dead server.
+                self._pool = redis.ConnectionPool.from_url(
+                    url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                    socket_read_size=READ_SIZE,
+                    retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+            except ValueError as exc:
+                raise UserError(f"remote tier: bad url {self.shown_url!r}: {exc}") from None
+            self._single = redis.Redis(connection_pool=self._pool)
+        self._latency_s = 0.0005      # EWMA of one small command's round trip
+        self._s_per_byte = 1e-9       # EWMA of the seconds each byte read adds (1 GB/s)
+        self._timed_small = self._timed_large = 0
 
         self._mu = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -286,7 +161,7 @@ class RedisTier:
                 if not self._down:
                     return
                 self._down = False
-            log.info("remote tier %s at %s is back", self.name, self.url)
+            log.info("remote tier %s at %s is back", self.name, self.shown_url)
 
     def _failed(self, exc: Exception, what: str) -> None:
         """Count a failure; a connection error or timeout marks the tier down."""
@@ -303,9 +178,60 @@ class RedisTier:
                     self._counters["down_events"] += 1
         if transition:
             log.warning("remote tier %s at %s is down (%s: %s); answering misses for %.1fs "
-                        "before retrying", self.name, self.url, what, exc, self.retry_after_s)
+                        "before retrying", self.name, self.shown_url, what, exc, self.retry_after_s)
         elif isinstance(exc, redis.exceptions.ResponseError):
             log.warning("remote tier %s: %s refused: %s", self.name, what, exc)
+
+    @property
+    def _client(self):
+        """The client: one server's, or the cluster's (made on first use: a cluster that is
+        unreachable at start-up is an error of the first command, like a server's)."""
+        if not self.cluster:
+            return self._single
+        if self._cluster_client is None:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            nodes, user, password, tls = cluster_nodes(self.url)
+            client = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in nodes], username=user,
+                password=password, ssl=tls, socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s, require_full_coverage=False,
+                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+            with self._mu:
+                if self._cluster_client is None:
+                    self._cluster_client = client
+                else:
+                    client.close()
+        return self._cluster_client
+
+    def _timed(self, seconds: float, n_bytes: int = 0) -> None:
+        """Learn from one command: small ones teach the latency, large ones the bandwidth."""
+        with self._mu:
+            if n_bytes <= 64 * 1024:
+                # The very first command also opened a connection: not a measure of the pool.
+                # The next one replaces the prior: a slow pool is known from then on.
+                self._timed_small += 1
+                if self._timed_small == 1:
+                    return
+                w = EWMA if self._timed_small > 2 else 1.0
+                self._latency_s += w * (seconds - self._latency_s)
+            else:
+                per = max(seconds - self._latency_s, 0.0) / n_bytes
+                w = EWMA if self._timed_large else 1.0
+                self._timed_large += 1
+                self._s_per_byte += w * (per - self._s_per_byte)
+
+    def load_estimate_s(self, n_chunks: int) -> float:
+        """Predicted seconds to read n_chunks whole chunks, one round trip per layer."""
+        ns = self.namespace
+        value = 2 * ns.n_kv_heads * ns.chunk_size * ns.head_dim * \
+            torch.empty((), dtype=ns.torch_dtype).element_size()
+        with self._mu:
+            return ns.n_layers * (self._latency_s + n_chunks * value * self._s_per_byte)
+
+    def latency_s(self) -> float:
+        with self._mu:
+            return self._latency_s
 
     def _count(self, **deltas: int) -> None:
         with self._mu:
@@ -342,13 +268,16 @@ class RedisTier:
         if not rkeys or not self._reachable():
             return 0
         try:
-            pipe = self._client.pipeline(transaction=False)
+            client = self._client      # (a cluster's first use maps its slots: not timed)
+            t0 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
             for k in rkeys:
                 pipe.exists(k)
             found = pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc, what)
             return 0
+        self._timed(time.perf_counter() - t0)
         self._ok()
         n = 0
         for f in found:
@@ -358,19 +287,63 @@ class RedisTier:
         return n
 
     def contains(self, key: Any) -> bool:
+        if isinstance(key, bytes):
+            return self.batch_exists_chunks([key]) == 1
         return self._leading([self._exists_key(key)], "contains") == 1
 
     def batch_exists(self, keys: Sequence[Any]) -> int:
-        """Leading run of keys held; a bare chunk hash tests its completion marker."""
+        """Leading run of keys held; a bare chunk hash tests the whole chunk."""
+        if keys and all(isinstance(k, bytes) for k in keys):
+            return self.batch_exists_chunks(keys)
         return self._leading([self._exists_key(k) for k in keys], "batch_exists")
 
     def batch_exists_chunks(self, hashes: Sequence[bytes]) -> int:
-        """Leading run of chunks whose every layer was written (one key per chunk)."""
-        return self._leading([marker_key(self._check_hash(h)) for h in hashes],
-                             "batch_exists_chunks")
+        """Leading run of chunks held whole: the marker and every layer there (one EXISTS
+        of one slot per chunk, all in one pipeline). A marker whose chunk lost a layer is
+        deleted and counted, so that the chunk is written again."""
+        hashes = [self._check_hash(h) for h in hashes]
+        if not hashes or not self._reachable():
+            return 0
+        n_layers = self.namespace.n_layers
+        try:
+            client = self._client      # (a cluster's first use maps its slots: not timed)
+            t0 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(marker_key(h), *(layer_key(h, i) for i in range(n_layers)))
+            found = pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self._failed(exc, "batch_exists_chunks")
+            return 0
+        self._timed(time.perf_counter() - t0)
+        self._ok()
+        n = 0
+        while n < len(hashes) and found[n] == n_layers + 1:
+            n += 1
+        # Markers over a lost layer (evicted, deleted): the chunk is no longer whole.
+        broken = [h for h, f in zip(hashes, found) if f and f != n_layers + 1]
+        if broken:
+            self._unmark(broken)
+        return n
 
-    def submit_get(self, keys: Sequence[Any]) -> _Pending:
-        """Start fetching `keys` on a reader thread; returns at once."""
+    def _unmark(self, hashes: Sequence[bytes]) -> None:
+        """Delete the markers of chunks found missing a layer, counting those that had one."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.delete(marker_key(h))
+            deleted = pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self._failed(exc, "delete the marker of an incomplete chunk")
+            return
+        self._count(incomplete_chunks=int(sum(deleted)))
+        if any(deleted):
+            log.warning("remote tier %s: %d chunk(s) lost a layer (evicted, or unusable); no longer "
+                        "held", self.name, int(sum(deleted)))
+
+    def submit_get(self, keys: Sequence[Any], whole: bool = False) -> _Pending:
+        """Start fetching `keys` on a reader thread; returns at once. whole: the chunks were
+        found whole just now, so a missing value means one lost a layer (its marker goes)."""
         pairs = [self._check_key(k) for k in keys]
         if not pairs:
             return _Pending(ready=[])
@@ -378,7 +351,7 @@ class RedisTier:
             self._count(misses=len(pairs))
             return _Pending(ready=[None] * len(pairs))
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, pairs))
+        self._jobs.put((future, pairs, whole))
         return _Pending(future=future)
 
     def wait(self, pending: _Pending) -> list[torch.Tensor | None]:
@@ -391,51 +364,65 @@ class RedisTier:
             job = self._jobs.get()
             if job is None:
                 return
-            future, pairs = job
+            future, pairs, whole = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self._fetch(pairs))
+                future.set_result(self._fetch(pairs, whole))
             except Exception as exc:  # noqa: BLE001 - passed to the waiter, never lost
                 future.set_exception(exc)
 
-    def _fetch(self, pairs: list[tuple[bytes, int]]) -> list[torch.Tensor | None]:
+    def _fetch(self, pairs: list[tuple[bytes, int]], whole: bool) -> list[torch.Tensor | None]:
         misses = [None] * len(pairs)
         if not self._reachable():
             self._count(misses=len(pairs))
             return misses
         rkeys = [layer_key(h, layer) for h, layer in pairs]
         try:
-            values = self._client.mget(rkeys)
+            client = self._client
+            t0 = time.perf_counter()
+            # One round trip: a cluster's client sends one MGET per slot, to every node at
+            # once, and puts the answers back in order.
+            values = client.mget_nonatomic(rkeys) if self.cluster else client.mget(rkeys)
         except (redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc, "get")
             self._count(misses=len(pairs))
             return misses
+        self._timed(time.perf_counter() - t0, sum(len(v) for v in values if v))
         self._ok()
         out: list[torch.Tensor | None] = []
         bad: list[bytes] = []
+        lost: list[bytes] = []
         hits = served = 0
-        for (h, _), rk, value in zip(pairs, rkeys, values):
+        for (h, layer), rk, value in zip(pairs, rkeys, values):
             if value is None:
+                if whole:
+                    lost.append(h)
                 out.append(None)
                 continue
-            got = decode_value(value, self.namespace)
+            got = decode_value(value, self.namespace, h, layer, self.secret)
             if isinstance(got, str):
                 log.warning("remote tier %s: value %s is unusable (%s); deleting it",
                             self.name, rk.decode(), got)
-                bad += [rk, marker_key(h)]  # the chunk is no longer whole
+                bad.append(rk)
+                lost.append(h)     # the chunk is no longer whole
                 out.append(None)
                 continue
             hits += 1
             served += nbytes(got)
             out.append(got)
         self._count(hits=hits, misses=len(pairs) - hits, bytes_served=served,
-                    corrupt_values=len(bad) // 2)
+                    corrupt_values=len(bad))
         if bad:
             try:
-                self._client.delete(*bad)
+                pipe = self._client.pipeline(transaction=False)
+                for rk in bad:
+                    pipe.delete(rk)
+                pipe.execute()
             except (redis.exceptions.RedisError, OSError) as exc:
                 self._failed(exc, "delete corrupt value")
+        if lost:
+            self._unmark(list(dict.fromkeys(lost)))
         return out
 
     # ---- writes -------------------------------------------------------------------------
@@ -443,7 +430,11 @@ class RedisTier:
     def put(self, key: Any, tensor: torch.Tensor, crc: int | None = None) -> bool:
         """Write one layer of one chunk now; False when refused (server full, tier down)."""
         h, layer = self._check_key(key)
-        value = encode_value(tensor, self.namespace, crc)
+        if crc is not None and payload_crc(tensor) != int(crc) & 0xFFFFFFFF:
+            # The bytes changed on their way here: never publish them under a fresh tag.
+            self._count(refused_puts=1)
+            return False
+        value = encode_value(tensor, self.namespace, h, layer, self.secret)
         if not self._reachable():
             self._count(dropped_writes=1)
             return False
@@ -457,7 +448,7 @@ class RedisTier:
             self._failed(exc, "put")
             return False
         self._ok()
-        self._count(bytes_in=len(value) - _HEADER.size)
+        self._count(bytes_in=len(value) - HEADER_SIZE)
         return True
 
     def publish(self, hashes: Sequence[bytes], first_chunk: int,
@@ -536,19 +527,28 @@ class RedisTier:
                     self._cv.notify_all()
 
     def _write_chunk(self, h: bytes, block: torch.Tensor) -> None:
-        """All layers in one pipeline, then the completion marker only if every layer landed."""
+        """All layers in one pipeline, each expiring unless its chunk is completed; then, only
+        if every layer landed, the layers made lasting (or given ttl_s) and the marker set."""
         if not self._reachable():
             self._count(dropped_writes=1)
             return
-        values = [encode_value(block[layer], self.namespace) for layer in range(len(block))]
+        values = [encode_value(block[layer], self.namespace, h, layer, self.secret)
+                  for layer in range(len(block))]
+        keys = [layer_key(h, layer) for layer in range(len(block))]
         try:
             pipe = self._client.pipeline(transaction=False)
-            for layer, value in enumerate(values):
-                pipe.set(layer_key(h, layer), value, ex=self.ttl_s)
+            for key, value in zip(keys, values):
+                pipe.set(key, value, ex=self.ttl_s or ORPHAN_TTL_S)
             results = pipe.execute(raise_on_error=False)
             refused = [r for r in results if isinstance(r, Exception)]
             if not refused:
-                self._client.set(marker_key(h), b"1", ex=self.ttl_s)
+                pipe = self._client.pipeline(transaction=False)
+                if self.ttl_s is None:
+                    for key in keys:
+                        pipe.persist(key)
+                pipe.set(marker_key(h), b"1", ex=self.ttl_s)
+                done = pipe.execute(raise_on_error=False)
+                refused = [r for r in done if isinstance(r, Exception)]
         except redis.exceptions.OutOfMemoryError:
             refused = [True]  # the marker itself was refused
         except (redis.exceptions.RedisError, OSError) as exc:
@@ -563,7 +563,7 @@ class RedisTier:
             self._count(refused_puts=1)
             return
         self._count(chunks_written=1,
-                    bytes_in=sum(len(v) - _HEADER.size for v in values))
+                    bytes_in=sum(len(v) - HEADER_SIZE for v in values))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued chunk is written (or dropped); False on timeout."""
@@ -589,15 +589,14 @@ class RedisTier:
             return 0
         try:
             pipe = self._client.pipeline(transaction=False)
-            for k in layer_keys:
-                pipe.delete(k)
-            pipe.delete(*markers)
+            for k in (*layer_keys, *markers):   # one key a command: a cluster's keys
+                pipe.delete(k)                  # of different chunks live on other slots
             deleted = pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             self._failed(exc, "invalidate")
             return 0
         self._ok()
-        return int(sum(deleted[:-1]))
+        return int(sum(deleted[:len(layer_keys)]))
 
     def metrics(self) -> dict:
         with self._mu:
@@ -631,9 +630,12 @@ class RedisTier:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and job[0].set_running_or_notify_cancel():
+            if job is not None and job[0].set_running_or_notify_cancel():  # (future, pairs, whole)
                 job[0].set_result([None] * len(job[1]))
-        self._pool.disconnect()
+        if self._pool is not None:
+            self._pool.disconnect()
+        if self._cluster_client is not None:
+            self._cluster_client.close()
 
     def __enter__(self) -> Self:
         return self

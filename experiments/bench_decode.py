@@ -1,0 +1,151 @@
+"""Single-stream decode speed: our engine against Hugging Face transformers on the same weights.
+
+    python -m experiments.bench_decode [--model smollm2-135m] [--tokens 64] [--prompt 256]
+                                       [--batch 4] [--placement cpu] [--profile] [--json PATH]
+
+`--batch N` also decodes N such requests stepped together (one batched decode step per token,
+see batch_runner) against one after another: what batching buys per step, with the weights
+where `--placement` puts them (off the compute device, every step moves them).
+
+Both decode the same prompt greedily, one token at a time with a KV cache, in one process
+(absolute figures on a shared machine are noisy; the ratio is what to read). Also measures a
+large memcpy's bandwidth: decoding reads every weight once per token, so
+weight bytes / bandwidth is the floor of one step's time.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
+
+
+def memcpy_gb_s(device, mb: int = 512, rounds: int = 5) -> float:
+    src = torch.empty(mb * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9   # read + write
+
+
+def ours(rt, prompt, n_tokens, profile=False):
+    from policies import make_policy
+    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.serving import RunConfig
+
+    engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
+    engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=4))   # warm up
+    resp = engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=n_tokens))
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                         else [])
+        with prof(activities=acts) as p:
+            engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=16))
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return resp.tokens, 1.0 / resp.stats.decode_s_per_token
+
+
+def batched(rt, prompt, n_tokens, batch):
+    """Decode tokens/s of `batch` requests stepped together, and of one alone."""
+    from policies import make_policy
+    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.serving import RunConfig
+
+    engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
+    reqs = [Request(prompt[:-1 - i], prompt[-1 - i:], max_new_tokens=n_tokens)
+            for i in range(batch)]
+    seqs = [engine.start(r) for r in reqs]
+    t0 = time.perf_counter()
+    while not all(s.done for s in seqs):
+        engine.step([s for s in seqs if not s.done])
+    together = sum(s.steps for s in seqs) / (time.perf_counter() - t0)
+    alone = 1.0 / engine.serve(reqs[0]).stats.decode_s_per_token
+    return together, alone
+
+
+def transformers_generate(model, prompt, n_tokens):
+    ids = torch.tensor([prompt], device=model.device)
+    kw = dict(max_new_tokens=n_tokens, do_sample=False, min_new_tokens=n_tokens,
+              pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    return out[0, len(prompt):].tolist(), (n_tokens - 1) / max(total - first, 1e-9)
+
+
+def main(argv=None) -> int:
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int_range(2, 4096), default=64)
+    ap.add_argument("--prompt", type=int_range(2, 4096), default=256)
+    ap.add_argument("--rounds", type=int_range(1, 10), default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--batch", type=int_range(1, 64), default=1)
+    ap.add_argument("--placement", default="gpu", help="weights' placement (gpu)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from impress_flexgen.placement import Placement
+    from impress_flexgen.reference import load_reference
+    from impress_flexgen.runtime import Runtime, RuntimeConfig
+
+    with tempfile.TemporaryDirectory() as off, \
+            Runtime(RuntimeConfig(model=args.model, offload_dir=off, dtype=np.float32,
+                                  placement=Placement.parse(args.placement))) as rt:
+        vocab = rt.spec.config.vocab_size
+        prompt = np.random.default_rng(0).integers(10, vocab, args.prompt).tolist()
+        device = rt.model.layers[0].compute.dev
+        ref = None if args.no_hf else load_reference(rt.spec).to(device)
+        weight_bytes = sum(p.numel() * 4 for p in ref.parameters()) if ref is not None else None
+        rows = []
+        for r in range(args.rounds):
+            toks, tps = ours(rt, prompt, args.tokens, args.profile and r == 0)
+            row = {"round": r, "ours_tokens_per_s": tps}
+            if ref is not None:
+                hf_toks, hf_tps = transformers_generate(ref, prompt, args.tokens)
+                row["transformers_tokens_per_s"] = hf_tps
+                row["same_tokens"] = hf_toks[:len(toks)] == toks
+            rows.append(row)
+            print(row, flush=True)
+        if args.batch > 1:
+            together, alone = batched(rt, prompt, args.tokens, args.batch)
+            rows.append({"batch": args.batch, "placement": args.placement,
+                         "batched_tokens_per_s": together, "alone_tokens_per_s": alone})
+            print(rows[-1], flush=True)
+        bw = memcpy_gb_s(device)
+        result = {"model": args.model, "device": str(device), "prompt": args.prompt,
+                  "tokens": args.tokens, "rounds": rows, "memcpy_gb_s": bw,
+                  "torch_threads": torch.get_num_threads()}
+        if weight_bytes:
+            result["weight_bytes"] = weight_bytes
+            result["floor_tokens_per_s"] = bw / 2 * 1e9 / weight_bytes  # reads only
+        print({k: v for k, v in result.items() if k != "rounds"})
+        if args.json:
+            write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("python -m experiments.bench_decode", main))

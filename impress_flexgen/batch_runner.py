@@ -1,0 +1,92 @@
+"""One decode step for a batch of sequences: the next token of each.
+
+The weights of every layer are brought to the compute device once per step and used for
+the whole batch (with offloaded weights, FlexGen's gain: the weight I/O of a step is shared
+by every sequence in it). Projections, the MLP and the logits run on the (B, 1, hidden)
+batch; attention runs per sequence over its own context (ragged lengths, its own mask, or
+its decode-phase policy's pages), which on the sizes served here costs less than padding
+every context to the longest.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from flexgen.pytorch_backend import TorchTensor
+from flexgen.utils import ValueHolder
+
+from .sequence import Sequence
+
+
+class BatchRunner:
+    def __init__(self, engine):
+        self.engine = engine
+        m = engine.math
+        self.group = m.n_head // m.n_kv_head
+        # SDPA on a CPU has no half-precision kernel worth using: attend in float32 there.
+        self.work = torch.float32 if engine.device.type == "cpu" else None
+
+    def step(self, seqs: list[Sequence]) -> list[int]:
+        """Feed each sequence its next input; returns the token each one picked. Sequences
+        whose request said stop, or that reached their last token, are marked done."""
+        from .engine import RequestStats
+
+        e = self.engine
+        t0 = time.perf_counter()
+        stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
+        ids = [s.next_input() for s in seqs]
+        pos = [s.position + s.steps for s in seqs]
+        hidden = self._embed(ids, pos, stats)
+        positions = torch.tensor(pos, device=e.device)[:, None]
+        rope = e.math.rope(positions, hidden.val.data.dtype)
+        for layer in range(e.math.n_layers):
+            weights = e._weights(1 + 2 * layer, stats)
+            x = hidden.val.data
+            q, k_new, v_new = e.math.qkv(weights, x, positions, rope)
+            outs = [self._attend(s, layer, q[i:i + 1], k_new[i], v_new[i])
+                    for i, s in enumerate(seqs)]
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden.val = TorchTensor.create_from_torch(e.math.out(weights, attn, x), e.compute)
+            e._mlp(2 + 2 * layer, hidden, stats)
+        out_w = e._weights(len(e.model.layers) - 1, stats)
+        logits = e.math.logits(out_w, hidden.val.data[:, -1]).cpu()
+        elapsed = time.perf_counter() - t0
+        picked = []
+        for i, s in enumerate(seqs):
+            s.decode_s += elapsed
+            if s.pages is None:
+                s.moved += sum(kv.n for kv in s.kv) * e.kv_bytes_per_token_layer
+            picked.append(s.accept(logits[i]))
+        return picked
+
+    def _embed(self, ids: list[int], pos: list[int], stats) -> ValueHolder:
+        """The inputs' embeddings at their own positions. The mask is what FlexGen's input
+        layer derives positions from (OPT): row b ends with pos[b] + 1 ones."""
+        e = self.engine
+        e._weights(0, stats)
+        dev = e.device
+        total = max(pos) + 1
+        need = torch.tensor(pos, device=dev)[:, None] + 1
+        mask = torch.arange(total, device=dev)[None] >= total - need
+        hidden, held = ValueHolder(), ValueHolder()
+        hidden.store(TorchTensor.create_from_torch(
+            torch.tensor(ids, dtype=torch.int64, device=dev)[:, None], e.compute))
+        held.store(TorchTensor.create_from_torch(mask, e.compute))
+        e.model.layers[0].forward(hidden, None, e.model.weight_read_buf[0], held, None, 0, 0)
+        return hidden
+
+    def _attend(self, s: Sequence, layer: int, q, k_new, v_new) -> torch.Tensor:
+        """q (1, H, 1, d) of one sequence's new token over its context plus itself."""
+        e = self.engine
+        if s.pages is not None and s.pages.handles(layer):
+            keys, values, mask = s.pages.attend_set(layer, q[0, :, 0], k_new, v_new)
+            return e._attend(q, keys, values, mask, causal_tail=1)
+        kv = s.kv[layer]
+        kv.append(k_new, v_new)
+        keys, values, mask = kv.view()
+        work = self.work or q.dtype
+        out = F.scaled_dot_product_attention(
+            q.to(work), keys[None].to(work), values[None].to(work), attn_mask=mask,
+            enable_gqa=self.group > 1)
+        return out.to(q.dtype)

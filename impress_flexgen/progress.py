@@ -1,0 +1,63 @@
+"""One line on stderr when a slow start-up step begins, and its time when it ends.
+
+A cold start converts weights, builds a tokenizer and calibrates the planner: tens of
+seconds that would otherwise pass in silence. A step that may be quick (a cache hit) is
+announced only once it has run `after_s` seconds, so a warm start stays quiet.
+
+    with progress.step("converting weights"):          # announced at once
+        ...
+    with progress.step("loading the tokenizer", after_s=0.5):
+        ...
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Iterator
+
+PREFIX = "impress_flexgen: "
+
+
+def _say(text: str) -> None:
+    try:
+        print(PREFIX + text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):   # a closed or broken stderr is no reason to fail
+        pass
+
+
+@contextlib.contextmanager
+def step(what: str, after_s: float = 0.0) -> Iterator[None]:
+    """Say `what...` when the block has run `after_s` seconds (0: at once), and
+    `what: done in X s` (or `what: failed after X s`) when it ends, if it was announced."""
+    t0 = time.perf_counter()
+    said = threading.Event()
+    lock = threading.Lock()
+
+    def announce() -> None:
+        with lock:
+            if not said.is_set():
+                said.set()
+                _say(f"{what}...")
+
+    timer = None
+    if after_s <= 0:
+        announce()
+    else:
+        timer = threading.Timer(after_s, announce)
+        timer.daemon = True
+        timer.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if timer is not None:
+            timer.cancel()
+        with lock:
+            announced = said.is_set()
+            said.set()          # a timer firing now says nothing
+        if announced:
+            took = time.perf_counter() - t0
+            _say(f"{what}: {'done in' if ok else 'failed after'} {took:.1f} s")

@@ -1,0 +1,189 @@
+"""Continuous batching: requests join a running batch between decode steps and leave when done.
+
+    sched = Scheduler(engine, SchedulerConfig(max_batch_size=8))
+    sched.add(Work(request, on_done))
+    while sched.busy:
+        sched.step()
+
+Each step first admits waiting requests: a request's prefill runs as its own step through
+the engine (its radix match, plan, per-layer selection by its policy, tier and pool reads,
+pins: everything a request served alone does), which gives its first token; it then joins
+the decode batch. Then one decode step advances every running request by one token, with
+the weights of each layer used once for the whole batch (batch_runner). A request leaves
+the batch when it is done: its last token, a stop token, or its on_token said stop
+(cancellation, deadline, stop string); the others go on undisturbed.
+
+Admission is bounded by the batch size, by a per-step token budget (decode tokens of the
+running requests plus the prompt tokens prefilled in that step; one request is always
+admitted into an empty step, so a long prompt is never starved) and by memory: the decode
+context a request may grow to (prompt plus new tokens, every layer's K and V) must fit the
+KV budget beside the running requests' own, or it waits.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from .errors import UserError
+
+log = logging.getLogger("impress_flexgen.scheduler")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 8          # requests decoded together
+    max_batch_tokens: int = 8192     # tokens per step: decode tokens + prefilled prompts
+    kv_budget_bytes: int | None = None  # decode contexts of running requests (None: half
+    #                                     the compute device's free memory at start)
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise UserError("--max-batch-size must be at least 1")
+        if self.max_batch_tokens < 1:
+            raise UserError("--max-batch-tokens must be at least 1")
+
+
+@dataclasses.dataclass
+class Work:
+    """A request for the scheduler; `on_done(response, error)` is called once, with one
+    of them None, on the scheduler's thread."""
+
+    request: object                                      # engine.Request
+    on_done: Callable[[object, BaseException | None], None]
+    query_logits: bool = False
+    seq: object = None                                   # its Sequence once prefilled
+    kv_bytes: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prefix) + len(self.request.query)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class Scheduler:
+    def __init__(self, engine, config: SchedulerConfig = SchedulerConfig()):
+        self.engine = engine
+        self.config = config
+        self.waiting: collections.deque[Work] = collections.deque()
+        self.running: list[Work] = []
+        m = engine.math
+        elsize = torch.finfo(engine.dtype).bits // 8 if engine.device.type != "cpu" else 4
+        self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv_head * m.head_dim * elsize
+        self.kv_budget = config.kv_budget_bytes if config.kv_budget_bytes is not None \
+            else free_memory_bytes(engine.device) // 2
+        self.last_batch = 0            # requests in the last decode step
+        self.steps = 0
+
+    # -- queues ------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def room(self) -> int:
+        """How many more requests may wait to be admitted (keeps the caller's queue, not
+        this one, holding the backlog)."""
+        return max(0, self.config.max_batch_size - len(self.running) - len(self.waiting))
+
+    def add(self, work: Work) -> None:
+        work.kv_bytes = (work.prompt_tokens + work.request.max_new_tokens) * \
+            self.kv_bytes_per_token
+        self.waiting.append(work)
+
+    def kv_in_use(self) -> int:
+        return sum(w.kv_bytes for w in self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what fits (prefill each), then one decode step for all running requests."""
+        budget = self.config.max_batch_tokens - len(self.running)
+        admitted = 0
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            work = self.waiting[0]
+            fits = work.kv_bytes + self.kv_in_use() <= self.kv_budget
+            if self.running and not fits:
+                break            # waits for memory; a lone request is served as before
+            if admitted and work.prompt_tokens > budget:
+                break            # the step's token budget is spent: the next step takes it
+            self.waiting.popleft()
+            budget -= work.prompt_tokens
+            admitted += 1
+            self._prefill(work)
+        batch = [w for w in self.running if not w.seq.done]
+        if batch:
+            self.last_batch = len(batch)
+            self.steps += 1
+            try:
+                self.engine.step([w.seq for w in batch])
+            except Exception as exc:  # noqa: BLE001 - the batch fails together, the loop goes on
+                log.exception("decode step failed")
+                for w in batch:
+                    self._end(w, None, exc)
+                return
+        for w in [w for w in self.running if w.seq.done]:
+            self._finish(w)
+
+    def _prefill(self, work: Work) -> None:
+        try:
+            work.seq = self.engine.start(work.request, work.query_logits)
+        except Exception as exc:  # noqa: BLE001 - this request failed; the others go on
+            work.on_done(None, exc)
+            return
+        self.running.append(work)
+
+    def _finish(self, work: Work) -> None:
+        try:
+            response = self.engine.finish(work.seq)
+        except Exception as exc:  # noqa: BLE001
+            self._end(work, None, exc)
+            return
+        self._end(work, response, None)
+
+    def _end(self, work: Work, response, error) -> None:
+        if work in self.running:
+            self.running.remove(work)
+        if response is None and work.seq is not None and work.seq.pages is not None:
+            try:
+                work.seq.pages.close()      # its selector's threads, when it failed mid-way
+            except Exception:  # noqa: BLE001 - already failing; the error that counts is `error`
+                log.debug("closing a failed request's pages", exc_info=True)
+        work.seq = None
+        work.on_done(response, error)
+
+    def drain(self) -> None:
+        """Serve everything waiting and running to the end."""
+        while self.busy:
+            self.step()
+
+
+def serve_all(engine, requests, config: SchedulerConfig = SchedulerConfig(),
+              query_logits: bool = False) -> list:
+    """Serve `requests` together through a scheduler; their responses in order (an
+    exception in place of a response that failed)."""
+    out: list = [None] * len(requests)
+    sched = Scheduler(engine, config)
+    for i, req in enumerate(requests):
+        def done(resp, err, i=i):
+            out[i] = resp if err is None else err
+        sched.add(Work(req, done, query_logits))
+    t0 = time.perf_counter()
+    sched.drain()
+    log.debug("served %d requests in %.2f s", len(requests), time.perf_counter() - t0)
+    return out

@@ -1,0 +1,90 @@
+"""A shared pool's url: checked, redacted for logs, split into a cluster's seed nodes.
+
+    redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH
+    redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]    (a Redis or Valkey cluster)
+
+Kept free of the Redis client so that the command line checks a url without importing it.
+"""
+from __future__ import annotations
+
+import re
+import urllib.parse
+
+from ..errors import UserError
+
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|pass|pwd|secret|auth)=)[^&#]*")
+
+
+def is_cluster(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme.endswith("+cluster")
+
+
+def redact_url(url: str) -> str:
+    """The url fit to print: the password in its userinfo (a bare userinfo may be a token:
+    all of it) and any password in its query string become ***."""
+    if not isinstance(url, str):
+        return repr(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return _SECRET_QUERY.sub(r"\1***", url)
+    netloc, slash, tail = rest.partition("/")
+    if "?" in netloc:  # redis://host:port?password=x (no path)
+        netloc, q, query = netloc.partition("?")
+        tail, slash = "?" + query, ""
+    if "@" in netloc:
+        info, _, host = netloc.rpartition("@")
+        user, colon, _ = info.partition(":")
+        netloc = (f"{user}:***@" if colon else "***@") + host
+    return _SECRET_QUERY.sub(r"\1***", f"{scheme}://{netloc}{slash}{tail}")
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None, bool]:
+    """The seed nodes of a cluster url, its username, password and whether it uses TLS."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    user = password = None
+    if "@" in netloc:
+        info, _, netloc = netloc.rpartition("@")
+        name, colon, pw = info.partition(":")
+        user = urllib.parse.unquote(name) or None
+        password = urllib.parse.unquote(pw) if colon else None
+    nodes = []
+    for item in netloc.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise UserError(f"remote tier: cluster node {item.strip()!r} in "
+                            f"{redact_url(url)!r} must be HOST:PORT")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes, user, password, parts.scheme.startswith("rediss")
+
+
+def validate_url(url: str) -> None:
+    if not isinstance(url, str) or not url:
+        raise UserError("remote tier: url must be like redis://HOST:PORT/DB")
+    shown = redact_url(url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise UserError(f"remote tier: url {shown!r} must start with one of "
+                        f"{', '.join(s + '://' for s in SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise UserError(f"remote tier: url {shown!r} names no socket path")
+        return
+    if is_cluster(url):
+        if not parts.netloc.rpartition("@")[2]:
+            raise UserError(f"remote tier: url {shown!r} names no node "
+                            "(e.g. redis+cluster://127.0.0.1:7000,127.0.0.1:7001)")
+        cluster_nodes(url)
+        if parts.path.strip("/") not in ("", "0"):
+            raise UserError(f"remote tier: url {shown!r}: a cluster has only database 0")
+        return
+    if not parts.hostname:
+        raise UserError(f"remote tier: url {shown!r} names no host (e.g. redis://127.0.0.1:6379/0)")
+    try:
+        _ = parts.port  # raises on a non-numeric or out-of-range port
+    except ValueError:
+        raise UserError(f"remote tier: url {shown!r} has a bad port; expected 1..65535") from None
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise UserError(f"remote tier: url {shown!r} has a bad database {db!r}; expected a number")

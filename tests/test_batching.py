@@ -1,0 +1,194 @@
+"""Continuous batching: each request of a batch answers as the same request served alone.
+
+Eight concurrent mixed requests (stored, partly stored and new prefixes; one cancelled, one
+with a stop token, one ending at its deadline, one sampled with a seed) go through the
+scheduler together and one at a time through Engine.serve, on two stores in the same state.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.sampling import SamplingParams
+from impress_flexgen.scheduler import Scheduler, SchedulerConfig, Work, serve_all
+from policies import POLICY_NAMES, ServingConfig, make_policy
+
+CHUNK = 16
+NEW = 6
+
+
+def prompts():
+    rng = np.random.default_rng(7)
+    stem = rng.integers(10, 40000, 4 * CHUNK).tolist()
+    other = rng.integers(10, 40000, 3 * CHUNK).tolist()
+    fresh = [rng.integers(10, 40000, n).tolist() for n in (2 * CHUNK + 5, CHUNK, 40)]
+    prefixes = [stem, stem[:2 * CHUNK] + other[:CHUNK + 3], other, fresh[0],
+                stem + other[:CHUNK], fresh[1], stem[:CHUNK] + fresh[2], other[:2 * CHUNK]]
+    queries = [rng.integers(10, 40000, int(n)).tolist() for n in rng.integers(1, 5, 8)]
+    return stem, list(zip(prefixes, queries))
+
+
+class Stopper:
+    """on_token: say stop after `after` tokens (a cancel or a deadline hit mid-generation)."""
+
+    def __init__(self, after: int | None):
+        self.after, self.seen = after, []
+
+    def __call__(self, token: int) -> bool:
+        self.seen.append(token)
+        return self.after is None or len(self.seen) < self.after
+
+
+def requests(stop_token: int | None):
+    stem, pairs = prompts()
+    out = []
+    for i, (prefix, query) in enumerate(pairs):
+        sampling = None
+        if i == 2 and stop_token is not None:
+            sampling = SamplingParams(stop_token_ids=(stop_token,))
+        if i == 5:
+            sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+        after = {1: 2, 6: 3}.get(i)        # 1 cancelled, 6 past its deadline
+        out.append(Request(prefix, query, NEW + i % 3, sampling=sampling,
+                           on_token=Stopper(after)))
+    return stem, out
+
+
+def serve_both(rt, tmp_path, name, retention, stop_token=None, batch=8):
+    """(alone, batched) responses and the streamed tokens of each, over fresh stores."""
+    results = []
+    for mode in ("alone", "batched"):
+        cfg = ServingConfig(retention=retention)
+        policy = make_policy(name, cfg)
+        store = open_store(tmp_path / f"{name}-{mode}", rt, cfg, policy, chunk_size=CHUNK) \
+            if policy.reuse else None
+        try:
+            engine = Engine(rt, store, policy, TierSizes())
+            stem, reqs = requests(stop_token)
+            engine.serve(Request(stem, [5], 1))          # the stored prefix
+            if mode == "alone":
+                resps = [engine.serve(r) for r in reqs]
+            else:
+                resps = serve_all(engine, reqs, SchedulerConfig(max_batch_size=batch))
+            results.append((resps, [r.on_token.seen for r in reqs]))
+        finally:
+            if store is not None:
+                store.close()
+    return results
+
+
+def check_equal(alone, batched):
+    worst = 0.0
+    for (a, a_seen), (b, b_seen) in [((x, xs), (y, ys)) for x, xs, y, ys in
+                                     zip(alone[0], alone[1], batched[0], batched[1])]:
+        assert not isinstance(b, Exception), b
+        assert b.tokens == a.tokens
+        assert b_seen == a_seen
+        assert len(b.step_logits) == len(a.step_logits)
+        for x, y in zip(a.step_logits, b.step_logits):
+            worst = max(worst, float((x - y).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_batched_equals_alone_at_full_retention(tiny_runtimes, tmp_path, name):
+    rt = tiny_runtimes["llama-tiny"]
+    # The stop token: the third token request 2 produces alone.
+    (probe, _), = [serve_both(rt, tmp_path / "probe", "full", 1.0, batch=1)[0]]
+    stop = probe[2].tokens[2]
+    alone, batched = serve_both(rt, tmp_path, name, 1.0, stop)
+    worst = check_equal(alone, batched)
+    print(f"{name}: largest logit difference {worst:.3g}")
+    assert worst < 1e-4
+    assert len(alone[0][1].tokens) == 2                # cancelled after two tokens
+    assert len(alone[0][6].tokens) == 3                # its deadline after three
+    assert alone[0][2].tokens[-1] == stop              # ended by its stop token
+
+
+def test_impress_batched_equals_impress_alone(tiny_runtimes, tmp_path):
+    rt = tiny_runtimes["llama-tiny"]
+    alone, batched = serve_both(rt, tmp_path, "impress", 0.25)
+    check_equal(alone, batched)
+    assert any(r.stats.matched_tokens for r in alone[0])
+
+
+def test_opt_batched_equals_alone(tiny_runtimes, tmp_path):
+    """OPT's positions come from the embedding: each request of a batch keeps its own."""
+    rt = tiny_runtimes["opt-tiny"]
+    alone, batched = serve_both(rt, tmp_path, "full", 1.0, batch=3)
+    check_equal(alone, batched)
+
+
+def test_admission_waits_for_memory_and_batch_size(tiny_runtimes, tmp_path):
+    rt = tiny_runtimes["llama-tiny"]
+    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    _, reqs = requests(None)
+    sched = Scheduler(engine, SchedulerConfig(max_batch_size=3))
+    done, peak = [], 0
+    for r in reqs[:4]:
+        sched.add(Work(r, lambda resp, err: done.append((resp, err))))
+    sched.kv_budget = sum(w.kv_bytes for w in list(sched.waiting)[:2])   # room for two
+    while sched.busy:
+        sched.step()
+        peak = max(peak, len(sched.running))
+        assert sched.kv_in_use() <= sched.kv_budget
+        assert len(sched.running) <= 3
+    assert len(done) == 4 and all(err is None for _, err in done)
+    assert peak == 2                       # memory, not the batch size, held the third
+    # A request larger than the whole budget is still served when it runs alone.
+    sched.kv_budget = 1
+    sched.add(Work(reqs[0], lambda resp, err: done.append((resp, err))))
+    sched.drain()
+    assert done[-1][1] is None and len(done[-1][0].tokens) == reqs[0].max_new_tokens
+
+
+def test_a_failing_request_leaves_the_others(tiny_runtimes):
+    rt = tiny_runtimes["llama-tiny"]
+    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    good = Request([11, 12, 13], [14], 4)
+    bad = Request([11, 12], [], 4)                   # no query: refused
+    out = serve_all(engine, [good, bad, good])
+    assert isinstance(out[1], Exception)
+    assert out[0].tokens == out[2].tokens == engine.serve(good).tokens
+    assert torch.equal(out[0].step_logits[-1], out[2].step_logits[-1])
+
+
+def test_service_batches_concurrent_jobs_as_served_alone(tiny_runtimes, tmp_path):
+    """Jobs submitted together to a service with batching answer as with max batch size 1;
+    a cancelled job ends alone; /metrics counts batch sizes and time per output token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from impress_flexgen.service import Service, ServiceConfig
+
+    rt = tiny_runtimes["llama-tiny"]
+    texts = [f"Question {i}: " + "what the text says about it " * (3 + i) for i in range(6)]
+    answers = {}
+    for size in (1, 4):
+        config = ServiceConfig(model="llama-tiny", store_root=tmp_path / str(size),
+                               max_batch_size=size, queue_size=8)
+        with Service(config, runtime=rt) as service:
+            jobs = [service.frontend.build(prompt=t, max_tokens=8, seed=3,
+                                           temperature=0.7 if i == 4 else 0)
+                    for i, t in enumerate(texts)]
+            tickets = [service.submit(j) for j in jobs]
+            tickets[2].cancel()
+            got = []
+            for t in tickets:
+                try:
+                    got.append(t.future.result(timeout=300).token_ids)
+                except Exception as exc:  # noqa: BLE001 - the cancelled one may never start
+                    got.append(type(exc).__name__)
+            answers[size] = got
+            metrics = {s.name: s.value for fam in text_string_to_metric_families(
+                service.metrics_text().decode()) for s in fam.samples}
+        assert metrics["impress_flexgen_requests_running"] == 0
+        assert metrics["impress_flexgen_requests_waiting"] == 0
+        assert metrics["impress_flexgen_batch_size_count"] > 0
+        assert metrics["impress_flexgen_time_per_output_token_seconds_count"] >= 4
+        if size == 4:
+            assert metrics["impress_flexgen_batch_size_sum"] > \
+                metrics["impress_flexgen_batch_size_count"]      # some steps held several
+    keep = [i for i in range(6) if i != 2]
+    assert [answers[4][i] for i in keep] == [answers[1][i] for i in keep]

@@ -1,0 +1,62 @@
+"""A cold start is not silent: slow start-up steps say so on stderr, quick ones do not."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from impress_flexgen import progress, runtime
+from impress_flexgen.costs import DEFAULT_POINTS, PrefillCurve, calibrate
+
+
+def test_a_step_is_announced_and_timed(capsys):
+    with progress.step("converting weights"):
+        pass
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "impress_flexgen: converting weights..."
+    assert err[1].startswith("impress_flexgen: converting weights: done in ")
+
+
+def test_a_quick_step_stays_quiet_and_a_slow_one_speaks(capsys):
+    with progress.step("quick", after_s=5):
+        pass
+    assert capsys.readouterr().err == ""
+    with progress.step("slow", after_s=0.05):
+        time.sleep(0.3)
+    assert capsys.readouterr().err.splitlines() == [
+        "impress_flexgen: slow...", "impress_flexgen: slow: done in 0.3 s"]
+    with pytest.raises(RuntimeError):
+        with progress.step("broken"):
+            raise RuntimeError("x")
+    assert "broken: failed after" in capsys.readouterr().err
+
+
+def test_calibration_speaks_when_it_measures_not_when_cached(tmp_path, capsys):
+    curve = PrefillCurve(2e-3, 5e-5, 1e-8)
+    cache = tmp_path / "c.json"
+    calibrate(curve.predict, DEFAULT_POINTS, cache, key="k", repeats=1,
+              announce=progress.step)
+    err = capsys.readouterr().err
+    assert "calibrating the prefill cost curve" in err and "done in" in err
+    calibrate(curve.predict, DEFAULT_POINTS, cache, key="k", announce=progress.step)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_slow_weight_preparation_and_tokenizer_speak(monkeypatch, capsys):
+    real = runtime.resolve
+
+    def slow_resolve(*args):
+        time.sleep(0.3)       # a first start converting the weights
+        return real(*args)
+
+    monkeypatch.setattr(runtime, "resolve", slow_resolve)
+    monkeypatch.setattr(runtime, "ANNOUNCE_AFTER_S", 0.05)
+    spec = runtime.resolve_spec(runtime.RuntimeConfig(model="llama-tiny"), False)
+    err = capsys.readouterr().err
+    assert "preparing the weights of llama-tiny" in err and "done in" in err
+
+    import impress_flexgen.tokenizer as tok
+
+    monkeypatch.setattr(tok, "load_tokenizer", lambda spec: time.sleep(0.3) or "tok")
+    assert runtime.load_tokenizer(spec) == "tok"
+    assert "loading the tokenizer of llama-tiny" in capsys.readouterr().err
