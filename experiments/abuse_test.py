@@ -214,8 +214,11 @@ class Abuse:
                 return r.json()
 
             ask(SECRET, owner)                      # the owner's prompt is now stored
-            right = ask(SECRET, prober)
-            wrong = ask(SECRET.replace("4417", "9051"), prober)
+            # Each guess from a namespace of its own (the prober's salt plus a suffix): a
+            # guess must not find the other guess's prefix, only, if leaking, the owner's.
+            salt = prober.get("cache_salt", "")
+            right = ask(SECRET, {**prober, "cache_salt": salt + "-1"})
+            wrong = ask(SECRET.replace("4417", "9051"), {**prober, "cache_salt": salt + "-2"})
             if sorted(right) != sorted(wrong) or "impress_flexgen" in right:
                 return f"fields differ: {sorted(right)} / {sorted(wrong)}"
             if right["usage"] != wrong["usage"]:
