@@ -8,10 +8,14 @@ announced only once it has run `after_s` seconds, so a warm start stays quiet.
         ...
     with progress.step("loading the tokenizer", after_s=0.5):
         ...
+
+IMPRESS_FLEXGEN_PROGRESS=0 in the environment silences these lines (scripts that read
+stderr line by line, the test suite).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -21,6 +25,8 @@ PREFIX = "impress_flexgen: "
 
 
 def _say(text: str) -> None:
+    if os.environ.get("IMPRESS_FLEXGEN_PROGRESS", "1") == "0":
+        return
     try:
         print(PREFIX + text, file=sys.stderr, flush=True)
     except (OSError, ValueError):   # a closed or broken stderr is no reason to fail

@@ -2,8 +2,15 @@
 tiny random-weight runtimes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Start-up progress lines come only when a step is slow, which on a busy machine is any
+# time: tests that count stderr lines would see them at random (tests/test_progress.py
+# turns them back on). Set here so that subprocesses inherit it.
+os.environ["IMPRESS_FLEXGEN_PROGRESS"] = "0"
 
 
 @pytest.fixture(scope="session")

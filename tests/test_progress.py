@@ -9,6 +9,18 @@ from impress_flexgen import progress, runtime
 from impress_flexgen.costs import DEFAULT_POINTS, PrefillCurve, calibrate
 
 
+@pytest.fixture(autouse=True)
+def progress_on(monkeypatch):
+    monkeypatch.setenv("IMPRESS_FLEXGEN_PROGRESS", "1")
+
+
+def test_the_environment_silences_progress(monkeypatch, capsys):
+    monkeypatch.setenv("IMPRESS_FLEXGEN_PROGRESS", "0")
+    with progress.step("converting weights"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
 def test_a_step_is_announced_and_timed(capsys):
     with progress.step("converting weights"):
         pass
