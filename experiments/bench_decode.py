@@ -95,7 +95,8 @@ def transformers_generate(model, prompt, n_tokens):
 
 
 def main(argv=None) -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m experiments.bench_decode",
+                        description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int_range(2, 4096), default=64)
     ap.add_argument("--prompt", type=int_range(2, 4096), default=256)
@@ -105,7 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--placement", default="gpu", help="weights' placement (gpu)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="16 tokens after a 64-token prompt, one round")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.prompt, args.rounds = 16, 64, 1
 
     from impress_flexgen.placement import Placement
     from impress_flexgen.reference import load_reference
