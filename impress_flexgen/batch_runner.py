@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
+from .request import RequestStats
 from .sequence import Sequence
 
 
@@ -30,8 +31,6 @@ class BatchRunner:
     def step(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence its next input; returns the token each one picked. Sequences
         whose request said stop, or that reached their last token, are marked done."""
-        from .engine import RequestStats
-
         e = self.engine
         t0 = time.perf_counter()
         stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
