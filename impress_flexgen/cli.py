@@ -199,7 +199,7 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     from policies import POLICY_NAMES
 
     from .planner import PLANS
-    from .service import CHUNK_SIZE
+    from .store.config import CHUNK_SIZE
 
     g = p.add_argument_group("serving")
     g.add_argument("--policy", default="impress",

@@ -3,3 +3,21 @@
 
 class UserError(Exception):
     """Bad input from the user: wrong argument, missing file, unsupported combination."""
+
+
+class ServiceError(Exception):
+    """A request that cannot be served as asked: an HTTP status and one line for the user."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}

@@ -127,7 +127,7 @@ class RequestFile:
     def _build(self, entry: Entry, item: dict) -> None:
         """Tokenise and check the request: entry.job, or (batch) entry.error; a plain line
         that cannot be served is a UserError."""
-        from .service import ServiceError
+        from .errors import ServiceError
 
         try:
             if self.batch:
@@ -150,7 +150,7 @@ class RequestFile:
 
     def _batch_kwargs(self, item: dict) -> dict:
         """Frontend.build's arguments for a batch line's body, or ServiceError."""
-        from .service import ServiceError
+        from .errors import ServiceError
 
         for key in sorted(set(item) - BATCH_FIELDS):
             raise ServiceError(400, f"unknown field {key!r} in a batch line (fields: "

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import defaults
+from .store_root import STORE_ROOT_MARK, _store_name, claim_store_root  # noqa: F401
 from .cli import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                   int_range, run_main, write_json)
 from .errors import UserError
@@ -244,30 +245,6 @@ def serve(rt, args, root: Path) -> int:
     return 0
 
 
-STORE_ROOT_MARK = ".impress_flexgen-stores"
-
-
-def claim_store_root(root: Path) -> None:
-    """Refuse a directory that holds something other than our stores; mark ours."""
-    try:
-        if root.exists() and not root.is_dir():
-            raise UserError(f"--store-dir {root} is not a directory")
-        if root.is_dir() and any(root.iterdir()) and not (root / STORE_ROOT_MARK).exists():
-            raise UserError(f"--store-dir {root} is not empty and was not made by "
-                            "impress_flexgen; choose an empty or new directory")
-        if not root.exists():
-            root.mkdir(mode=0o700, parents=True)     # stores hold prompts: owner only
-        (root / STORE_ROOT_MARK).touch()
-    except OSError as exc:
-        raise UserError(f"cannot use --store-dir {root}: {exc.strerror or exc}") from None
-
-
-def _store_name(policy: str, args) -> str:
-    """Policies that can share a store layout share nothing else: one store each, named by
-    what shapes its files (chunk size, probe format) and by whether it is reordered; v2:
-    chunks packed when they are not whole pages (stores of the aligned layout stay apart)."""
-    layout = "-semantic" if getattr(args, "reorder_by", "importance") == "semantic" else ""
-    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}-v2{layout}"
 
 
 def print_summary(results, check: bool) -> None:

@@ -30,9 +30,10 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from .errors import UserError
+from .errors import ServiceError, UserError
 from .sampling import SamplingParams
 from .store.config import CHUNK_SIZE
+from .store_root import StoreOptions  # noqa: F401 - part of the service configuration
 
 log = logging.getLogger("impress_flexgen.service")
 
@@ -47,61 +48,8 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
 
 
-class ServiceError(Exception):
-    """A request that cannot be served as asked: an HTTP status and one line for the user."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        """OpenAI's error body."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-
 # -- configuration ---------------------------------------------------------------------------
 DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreOptions:
-    """Where a run's stores live and how they behave on this machine. What shapes a store's
-    files (chunk size, probe format, layout) belongs to the RunConfig (store_options())."""
-
-    root: str | Path | None = None          # None: <cache>/stores/<model>-<identity>
-    disk_capacity_bytes: int | None = None  # None: unlimited
-    reorder_interval: int = 50              # queries between background reorders; 0: never
-    read_limit_mb_s: float | None = None    # disk read bandwidth cap; None: none
-
-    def root_for(self, model, chunk_size: int | None = None) -> Path:
-        """The folder of `model`'s stores (a ModelSpec; a bare name only for callers that
-        have no model): the root given, else one per model identity (its label and the
-        short form of its fingerprint), so that other weights, another seed or checkpoint,
-        or another dtype never open a store of KV they did not compute."""
-        from .paths import cache_dir
-
-        if self.root:
-            return Path(self.root).expanduser()
-        if isinstance(model, str):
-            return cache_dir() / "stores" / model
-        from .engine import model_shape
-
-        shape = model_shape(model, chunk_size or CHUNK_SIZE)
-        label = re.sub(r"[^A-Za-z0-9._-]+", "-", shape.name).strip("-.") or "model"
-        return cache_dir() / "stores" / (f"{label}-{shape.short_id}" if shape.short_id
-                                         else label)
-
-    def open_options(self) -> dict:
-        """open_store keyword arguments (besides the RunConfig's)."""
-        return {"disk_capacity_bytes": self.disk_capacity_bytes,
-                "reorder_interval": self.reorder_interval,
-                "read_limit_mb_s": self.read_limit_mb_s}
 
 
 def _default_runtime():
@@ -664,7 +612,7 @@ class Service:
         from policies import POLICY_NAMES, make_policy
 
         from .engine import Engine, open_store
-        from .run import _store_name, claim_store_root
+        from .store_root import _store_name, claim_store_root
         from .runtime import Runtime, resolve_spec
         from .serving import start_engine
 

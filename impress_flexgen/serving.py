@@ -25,7 +25,8 @@ from .engine import Engine, Request, TierSizes, model_shape, open_store
 from .errors import UserError
 from .planner import PLANS
 from .runtime import Runtime
-from .service import CHUNK_SIZE, StoreOptions
+from .store.config import CHUNK_SIZE
+from .store_root import StoreOptions
 from .tiers import GPU, REMOTE, TierConfig
 from .workload import Workload
 
@@ -102,7 +103,7 @@ def start_engine(engine: Engine) -> list[str]:
     ask the shared pool once, so that one that does not answer is known now (it then
     answers misses at once and requests are served locally until it is back). Returns
     warnings for the user."""
-    from .service import redact_url
+    from .tiers.remote_url import redact_url
     from .tiers.remote import DIGEST_SIZE
 
     if engine.planner is not None:
