@@ -8,7 +8,7 @@ tokens, Emma and Genesis; quick: one) are reused by many queries, as in a few-sh
 For each configuration (policy x retention x knobs): a fresh store in a temporary directory;
 each prefix stored once as a cold serve stores it (see "Seeding"); one warm-up query per
 prefix (a later passage of its book: it feeds importance; policies that reorder are
-reordered after the warm-ups, as in serving.run_workload); then the task queries, each a
+reordered after the warm-ups, as in workload_runner.run_workload); then the task queries, each a
 Request through Engine.serve with teacher-forced query logits. GPU/CPU tier capacities are
 zero, so every chunk counted is read from the store's disk files. Tasks:
 
@@ -44,7 +44,7 @@ KL and top-1 agreement are against the `full` policy (every stored chunk loaded)
 request (recall and retrieval: the true candidate's request), so `full` runs first.
 bytes_loaded_fraction = (K/V bytes read from all tiers + probe bytes) / matched prefix K/V
 bytes, fallback_rate = layers that fell back to loading everything / layers, both from the
-engine's per-request stats (serving.summarize) over the task's requests. Bytes read are
+engine's per-request stats (workload_runner.summarize) over the task's requests. Bytes read are
 whole stored chunks: a 16-token smollm2 chunk holds 6 KiB of K (or V) in an 8 KiB aligned
 slot, so `full` reads 133% of the payload (64-token chunks: 24 KiB, no padding).
 
@@ -134,10 +134,10 @@ from tqdm import tqdm
 from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
 from impress_flexgen.corpus import list_texts, passages
-from impress_flexgen.engine import Engine, FamilyMath, Request, TierSizes, open_store
+from impress_flexgen.engine import FamilyMath, Request, StoreSpec, assemble
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, kl_divergence, summarize
+from impress_flexgen.workload_runner import RunConfig, kl_divergence, summarize
 from policies import ServingConfig, make_policy
 from policies.base import resolve_probe_heads
 
@@ -476,10 +476,10 @@ class PrefixKV:
         cfg = ServingConfig(retention=1.0)
         policy = make_policy("full", cfg)
         tmp = scratch.make(root, "acctemplate")
-        store = open_store(tmp, runtime, cfg, policy, chunk_size=16, probe_format="fp16",
-                           reorder_interval=0, direct_io=False)
+        stack = assemble(runtime, policy, StoreSpec(tmp, chunk_size=16, probe_format="fp16",
+                                                    reorder_interval=0, direct_io=False))
+        engine, store = stack.engine, stack.store
         try:
-            engine = Engine(runtime, store, policy, TierSizes())
             for p, ids in enumerate(tasks.prefixes):
                 engine.serve(Request(ids, [ids[-1]], 1))          # the cold serve
                 match = store.match_prefix(ids)
@@ -501,7 +501,7 @@ class PrefixKV:
                 if progress is not None:
                     progress.update(1)
         finally:
-            store.close()
+            stack.close()
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -553,12 +553,11 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
     is_ref = run.policy == "full" and run.retention == 1.0
     mode = "decode" if decode else "prefill"
     tmp = scratch.make(ctx.root, "accstore")
-    store = None
+    stack = None
     try:
-        if policy.reuse:
-            store = open_store(tmp, ctx.runtime, cfg, policy, reorder_interval=10**9,
-                               direct_io=False, **run.store_options())
-        engine = Engine(ctx.runtime, store, policy, TierSizes())
+        stack = assemble(ctx.runtime, policy, StoreSpec(tmp, reorder_interval=10**9,
+                                                        direct_io=False, **run.store_options()))
+        engine, store = stack.engine, stack.store
         needed = sorted({p for task in tasks_to_run for p in t.prefixes_of(task)})
         if store is not None:
             for p in needed:
@@ -673,8 +672,8 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
             }
         return out
     finally:
-        if store is not None:
-            store.close()
+        if stack is not None:
+            stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -43,11 +43,11 @@ import torch
 
 from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, StoreSpec, TierSizes, assemble
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import MODEL_NAMES, resolve
 from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
 from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies.replay import Recorder, Trace, load_trace, request_entry, save_trace
 
@@ -226,11 +226,11 @@ def record_trace(args, wcfg: WorkloadConfig, root: Path, log=print) -> Trace:
         tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         policy = Recorder(cfg)
         tmp = scratch.make(root, "tracestore")
-        store = open_store(tmp, rt, cfg, policy, reorder_interval=10**9,
-                           **run.store_options())
+        stack = assemble(rt, policy, StoreSpec(tmp, reorder_interval=10**9,
+                                               **run.store_options()), tiers)
+        engine, store = stack.engine, stack.store
         requests = []
         try:
-            engine = Engine(rt, store, policy, tiers)
 
             def serve(phase: str, index: int, p: int, query: list[int]) -> None:
                 before = len(policy.records)
@@ -248,7 +248,7 @@ def record_trace(args, wcfg: WorkloadConfig, root: Path, log=print) -> Trace:
             for i, (p, query) in enumerate(wl.queries):
                 serve("query", i, p, query)
         finally:
-            store.close()
+            stack.close()
             shutil.rmtree(tmp, ignore_errors=True)
         n_layers = len(requests[0]["layers"]) if requests else 0
         meta = {"model": args.trace_model, "random_weights": rt.spec.random_weights,

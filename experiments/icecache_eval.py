@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.corpus import load_text
-from impress_flexgen.engine import Engine, Request
+from impress_flexgen.engine import Request, assemble
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import resolve
 from impress_flexgen.runtime import Runtime, RuntimeConfig
@@ -107,7 +107,7 @@ def runs(args) -> list[tuple[str, str, int]]:
 
 def serve(rt, policy_name, budget, decode, prefix, query, forced):
     cfg = ServingConfig(retention=1.0, decode_budget=budget)
-    engine = Engine(rt, None, make_policy(policy_name, cfg, decode=decode))
+    engine = assemble(rt, make_policy(policy_name, cfg, decode=decode)).engine   # no store
     return engine.serve(Request(prefix, query, len(forced) + 1, forced=forced))
 
 

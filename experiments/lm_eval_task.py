@@ -73,10 +73,10 @@ def score(rt, tasks) -> float:
     import numpy as np
     import torch
 
-    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.engine import Request, assemble
     from policies import make_policy
 
-    engine = Engine(rt, None, make_policy("recomp"))
+    engine = assemble(rt, make_policy("recomp")).engine     # no store: all computed
     correct = []
     for item in tasks.recall:
         context = tasks.prefixes[item.prefix] + item.query

@@ -53,7 +53,8 @@ from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.engine import Request, TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, kl_divergence, prepared, run_workload, summarize
+from impress_flexgen.workload_runner import (RunConfig, kl_divergence, prepared, run_workload,
+                                             summarize)
 from impress_flexgen.workload import WorkloadConfig, build_workload
 
 

@@ -45,7 +45,7 @@ from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_jso
 from impress_flexgen.engine import TierSizes
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
 from impress_flexgen.workload import WorkloadConfig, build_workload
 
 PARTS = ("serving", "ablation", "sensitivity", "scaling", "padded", "overheads", "peers",

@@ -15,7 +15,7 @@ from pathlib import Path
 from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.engine import TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, run_workload
+from impress_flexgen.workload_runner import RunConfig, run_workload
 from impress_flexgen.workload import WorkloadConfig, build_workload
 
 

@@ -20,7 +20,7 @@ from impress_flexgen.engine import TierSizes
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.workload import WorkloadConfig, build_workload
 
-from impress_flexgen.serving import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
 
 
 def default_runs(retention: float, chunk_size: int) -> list[RunConfig]:

@@ -8,13 +8,15 @@ runner.py     the prefill's layer loop over FlexGen's weight buffers
 prefix_kv.py  a layer's stored prefix KV as the policy's plan chooses it
 attention.py  new tokens over the kept prefix plus themselves
 family.py     the per-family layer math (OPT, Llama), the model's KV shape, probe heads
-assemble.py   the store shaped for a runtime's model and a policy
+assemble.py   the one way to build policy + store + tiers + engine (assemble)
 """
 from ..request import Request, RequestStats, Response
-from .assemble import open_store
+from .assemble import (Stack, StoreSpec, assemble, make_serving_policy, open_store,
+                       start_engine)
 from .attention import attend
 from .engine import Engine, TierSizes, _Relay
 from .family import FamilyMath, model_shape, probe_setup
 
-__all__ = ["Engine", "FamilyMath", "Request", "RequestStats", "Response", "TierSizes",
-           "attend", "model_shape", "open_store", "probe_setup"]
+__all__ = ["Engine", "FamilyMath", "Request", "RequestStats", "Response", "Stack", "StoreSpec",
+           "TierSizes", "assemble", "attend", "make_serving_policy", "model_shape", "open_store",
+           "probe_setup", "start_engine"]

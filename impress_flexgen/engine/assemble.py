@@ -1,17 +1,129 @@
-"""Building the serving stack: the store shaped for a runtime's model and a policy.
+"""Building the serving stack, one way for the service, the workload runner and the
+experiments: the policy, the store shaped for the runtime's model, the tiers, the engine.
 
-    store = open_store(directory, runtime, policy.config, policy)
-    engine = Engine(runtime, store, policy, TierSizes(gpu_bytes=1 << 30))
+    stack = assemble(runtime, make_policy("impress", config),
+                     StoreSpec(directory, reorder_interval=0), TierSizes(gpu_bytes=1 << 30))
+    try:
+        response = stack.engine.serve(Request(prefix_ids, query_ids))
+    finally:
+        stack.close()           # the engine's pool threads, then the store (not the runtime)
 """
 from __future__ import annotations
 
+import dataclasses
+import sqlite3
 from pathlib import Path
 
-from policies import ServingConfig, ServingPolicy
+from policies import ServingConfig, ServingPolicy, make_policy
 
+from ..errors import UserError
 from ..runtime import Runtime
 from ..store import CHUNK_SIZE, PrefixStore, StoreConfig
+from ..tiers import ChunkCache
+from .engine import Engine, TierSizes
 from .family import model_shape, probe_setup
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """Where a store lives and how it is opened (see StoreConfig for each knob)."""
+
+    directory: Path
+    chunk_size: int = CHUNK_SIZE
+    probe_format: str = "int4"
+    disk_capacity_bytes: int | None = None
+    reorder_interval: int = 50           # the policy's reordering off: never
+    direct_io: bool = True
+    reorder_hot_fraction: float = 0.25
+    reorder_by: str = "importance"
+    read_limit_mb_s: float | None = None
+
+
+@dataclasses.dataclass
+class Stack:
+    """What assemble() built. The runtime stays its owner's to close."""
+
+    runtime: Runtime
+    policy: ServingPolicy
+    store: PrefixStore | None
+    engine: Engine
+    warnings: list[str] = dataclasses.field(default_factory=list)   # from start_engine
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            if self.store is not None:
+                self.store.close()
+
+
+def make_serving_policy(name: str, config: ServingConfig,
+                        tier_policy: str | None = None) -> ServingPolicy:
+    """The policy `name` with `config`; `tier_policy` overrides its GPU/CPU tier policy."""
+    policy = make_policy(name, config)
+    if tier_policy is not None:
+        policy.tier_policy = tier_policy
+    return policy
+
+
+def assemble(runtime: Runtime, policy: ServingPolicy, store: StoreSpec | None = None,
+             tiers: TierSizes = TierSizes(), *, cache: ChunkCache | None = None,
+             start: bool = False) -> Stack:
+    """The engine serving `runtime`'s model with `policy`, over a store opened as `store`
+    says when the policy reuses stored KV (none otherwise, or without `store`), behind
+    tiers of `tiers`' sizes (or `cache`, shared with another engine on the same store).
+    `start`: run start_engine() before returning (its warnings in the stack). A store that
+    cannot be opened is a UserError naming its directory."""
+    opened = None
+    if store is not None and policy.reuse:
+        opened = _open(store, runtime, policy)
+    try:
+        engine = Engine(runtime, opened, policy, tiers, cache)
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        raise
+    stack = Stack(runtime, policy, opened, engine)
+    if start:
+        try:
+            stack.warnings = start_engine(engine)
+        except BaseException:
+            stack.close()
+            raise
+    return stack
+
+
+def start_engine(engine: Engine) -> list[str]:
+    """What a server or a run does once its engine is built, before any request: calibrate
+    the planner (a few short prefills, or the cached curve), so that no request pays for it;
+    ask the shared pool once, so that one that does not answer is known now (it then
+    answers misses at once and requests are served locally until it is back). Returns
+    warnings for the user."""
+    from ..tiers.remote import DIGEST_SIZE
+    from ..tiers.remote_url import redact_url
+
+    if engine.planner is not None:
+        engine.planner.cost()
+    warnings = []
+    if engine.shared is not None:
+        pool = engine.shared.tier
+        pool.batch_exists_chunks([bytes(DIGEST_SIZE)])   # one round trip, or marked down
+        if pool.metrics()["down"]:
+            warnings.append(f"the shared pool at {redact_url(pool.url)} does not answer; "
+                            "requests are served from the local tiers and store until it does")
+    return warnings
+
+
+def _open(spec: StoreSpec, runtime: Runtime, policy: ServingPolicy) -> PrefixStore:
+    """open_store, with a directory that cannot be opened (permissions, not a directory, a
+    database SQLite cannot read) reported as a UserError naming it."""
+    options = dataclasses.asdict(spec)
+    path = options.pop("directory")
+    try:
+        return open_store(path, runtime, policy.config, policy, **options)
+    except (OSError, sqlite3.DatabaseError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"cannot open the store in {path}: {why}") from None
 
 
 def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
