@@ -4,6 +4,7 @@ too)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import numpy as np
@@ -90,11 +91,35 @@ class RequestStats:
     def kv_bytes_loaded(self) -> int:
         return sum(self.bytes_read.values())
 
+    def timer(self, name: str, exclude: tuple[str, ...] = ()) -> "_Timer":
+        """`with stats.timer("load_s"):` adds the block's seconds to the stat `name` (also
+        when it raises), less what the block added meanwhile to the stats in `exclude`
+        (time already counted there)."""
+        return _Timer(self, name, exclude)
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["jaccard"] = float(np.mean(self.jaccard)) if self.jaccard else None
         d["io_s"] = self.io_s
         return d
+
+
+class _Timer:
+    __slots__ = ("stats", "name", "exclude", "t0", "before")
+
+    def __init__(self, stats: RequestStats, name: str, exclude: tuple[str, ...]):
+        self.stats, self.name, self.exclude = stats, name, exclude
+
+    def __enter__(self) -> "_Timer":
+        self.before = sum(getattr(self.stats, e) for e in self.exclude)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if self.exclude:
+            elapsed -= sum(getattr(self.stats, e) for e in self.exclude) - self.before
+        setattr(self.stats, self.name, getattr(self.stats, self.name) + elapsed)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ For each request:
        plan     the policy reads probe keys and decides which chunks to load (ITF); the
                 probe keys were read in the background while the layer before computed;
        load     those K and V chunks, in one round trip through the tiers, fastest first
-                (CRC-checked; store.readahead schedules the reads);
+                (CRC-checked; the read-ahead (readahead.py) schedules the reads);
        attend   the new tokens over the kept prefix tokens plus themselves (causal);
        MLP;
   4. logits   of the last position: the first token (time to first token ends here;
@@ -226,9 +226,8 @@ class Engine:
                 new_ids, matched, segments_nodes, stats,
                 n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad,
                 front_ids=req.prefix[:front], given=given)
-            t0 = time.perf_counter()
-            logits = self.math.logits(out_w, tail[-1:]).cpu()
-            stats.compute_s += time.perf_counter() - t0
+            with stats.timer("compute_s"):
+                logits = self.math.logits(out_w, tail[-1:]).cpu()
             sampler = Sampler(req.sampling)
             first = sampler.pick(logits[-1])
             stats.ttft_s = time.perf_counter() - t_start
@@ -242,26 +241,8 @@ class Engine:
 
             # 5. store the new prefix KV
             if use_store and self.policy.store_new:
-                t0 = time.perf_counter()
-                n_prefix_new = len(req.prefix) - matched
-                if n_prefix_new >= self.store.config.chunk_size:
-                    try:
-                        self.store.insert(req.prefix, matched,
-                                          [(k[:, :n_prefix_new], v[:, :n_prefix_new])
-                                           for k, v in new_kv],
-                                          namespace=req.namespace, exact=stats.exact)
-                    except StoreWriteFailed as exc:
-                        log.warning("prefix not stored: %s", exc)
-                    else:
-                        if use_shared and stats.exact:
-                            # Durable here first; then shared (write-through, in the
-                            # background): the chunks the pool did not give us. Only
-                            # exact KV is shared: the pool keeps no flag.
-                            self.shared.publish(req.prefix, matched + n_given,
-                                                [(k[:, n_given:n_prefix_new],
-                                                  v[:, n_given:n_prefix_new])
-                                                 for k, v in new_kv], tenant=req.namespace)
-                stats.store_s = time.perf_counter() - t0
+                with stats.timer("store_s"):
+                    self._store_new(req, matched, n_given, new_kv, stats, use_shared)
 
             # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
             seq = Sequence(req, sampler, stats, [first], [logits[-1]],
@@ -270,19 +251,45 @@ class Engine:
             if going and req.max_new_tokens > 1:
                 if self.config.decode_over == "full" and match is not None and match.segments:
                     kept = self.prefix.full_prefix_context(match.segments, new_kv, stats, n_pad)
-                t0 = time.perf_counter()
-                seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-                extra = req.max_new_tokens - 1
-                seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                          LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
-                          for layer in range(self.math.n_layers)]
-                seq.decode_s = time.perf_counter() - t0
+                self._start_decode(seq, kept)
             else:
                 seq.done = True
             return seq
         finally:
             if match is not None:
                 self.store.release(match)
+
+    def _store_new(self, req: Request, matched: int, n_given: int, new_kv, stats,
+                   use_shared: bool) -> None:
+        """The prefix's new whole chunks into the store, then (exact KV only) the pool."""
+        n_prefix_new = len(req.prefix) - matched
+        if n_prefix_new < self.store.config.chunk_size:
+            return
+        try:
+            self.store.insert(req.prefix, matched,
+                              [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv],
+                              namespace=req.namespace, exact=stats.exact)
+        except StoreWriteFailed as exc:
+            log.warning("prefix not stored: %s", exc)
+            return
+        if use_shared and stats.exact:
+            # Durable here first; then shared (write-through, in the background): the
+            # chunks the pool did not give us. Only exact KV is shared: the pool keeps no
+            # flag.
+            self.shared.publish(req.prefix, matched + n_given,
+                                [(k[:, n_given:n_prefix_new], v[:, n_given:n_prefix_new])
+                                 for k, v in new_kv], tenant=req.namespace)
+
+    def _start_decode(self, seq: Sequence, kept) -> None:
+        """The sequence's decode context: pages of a decode-phase policy, or per layer the
+        kept K, V and mask with room for the tokens to come."""
+        t0 = time.perf_counter()
+        seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
+        extra = seq.request.max_new_tokens - 1
+        seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
+                  LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
+                  for layer in range(self.math.n_layers)]
+        seq.decode_s = time.perf_counter() - t0
 
     # -- plan -------------------------------------------------------------------------------
     def _choose_plan(self, segments_nodes, matched: int, n_new: int, stats) -> int:

@@ -7,8 +7,6 @@ the kept rows and attention mask the layer attends with.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -16,7 +14,7 @@ from policies import LayerContext, LayerPlan, Segment, ServingPolicy
 from policies.base import chunks_holding, tokens_of_chunks
 
 from ..store import PrefixStore
-from ..store.readahead import LayerLoader
+from .readahead import LayerLoader
 from .family import FamilyMath
 
 
@@ -45,10 +43,9 @@ class PrefixKV:
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
                            self.config, self.probe_heads, self.probe_kv_heads,
                            loader.read_probe, loader.load, n_pad=n_pad)
-        t0 = time.perf_counter()
-        io_before = stats.probe_s + stats.load_s
-        plan = self.policy.plan_layer(ctx)
-        stats.select_s += time.perf_counter() - t0 - (stats.probe_s + stats.load_s - io_before)
+        # The policy's probe reads and loads are counted as I/O, not as selection.
+        with stats.timer("select_s", exclude=("probe_s", "load_s")):
+            plan = self.policy.plan_layer(ctx)
         stats.layers_fallback += int(plan.fallback)
         if plan.jaccard is not None:
             stats.jaccard.append(plan.jaccard)
@@ -63,9 +60,8 @@ class PrefixKV:
         # layer's probe keys (read since this layer began) are decoded.
         pending = loader.start_all([(si, {"k": ids, "v": ids})
                                     for si, ids in enumerate(chosen) if len(ids)])
-        t0 = time.perf_counter()
-        ahead.decode_probe(loader.layer + 1)
-        stats.probe_s += time.perf_counter() - t0
+        with stats.timer("probe_s"):
+            ahead.decode_probe(loader.layer + 1)
         loaded = loader.finish_all(pending)
         ks, vs, masks = [], [], []
         attended = 0

@@ -1,5 +1,6 @@
-"""Reads one layer ahead: a request's probe keys and expected chunks are read while the
-layer before computes, and each layer's loads are served once however often its policy asks.
+"""The engine's I/O scheduler: a request's probe keys and expected chunks are read one layer
+ahead, while the layer before computes, and each layer's loads are served once however often
+its policy asks (the store does the reads).
 
     ahead = ReadAhead(store, policy, n_layers, segments_nodes, stats)
     ahead.start(0)
@@ -10,8 +11,6 @@ layer before computes, and each layer's loads are served once however often its 
     ahead.close()                           # every read in flight waited for
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import torch
@@ -55,10 +54,10 @@ class LayerLoader:
             self.stats.chunks_read += sum(len(c) for c in chunks.values())
 
     def read_probe(self) -> ProbeKeys:
-        t0 = time.perf_counter()
-        probe = self.ahead.result(self.layer)
-        self.stats.probe_bytes += sum(seg.entry.layout.probe_stride for seg in self.segments)
-        self.stats.probe_s += time.perf_counter() - t0
+        with self.stats.timer("probe_s"):
+            probe = self.ahead.result(self.layer)
+            self.stats.probe_bytes += sum(seg.entry.layout.probe_stride
+                                          for seg in self.segments)
         return probe
 
     def load(self, kind: str, si: int, ids) -> list[torch.Tensor]:
@@ -67,34 +66,31 @@ class LayerLoader:
     def start_all(self, wanted: list[tuple[int, dict]]) -> list:
         """Submit [(segment, {kind: chunk ids})]: tier hits and prefetched chunks are served
         now, disk reads go out; finish_all() collects them."""
-        t0 = time.perf_counter()
         handles = []
-        try:
-            self._collect()
-            for si, kinds in wanted:
-                entry = self.segments[si].entry
-                missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
-                                  if (kind, si, int(i)) not in self.loaded]
-                           for kind, ids in kinds.items()}
-                missing = {kind: ids for kind, ids in missing.items() if ids}
-                reading = None
-                if missing:
-                    ratios = {kind: self.store.chunk_ratios(entry, ids)
-                              for kind, ids in missing.items()}
-                    reading = self.store.submit(entry, missing, self.segments[si].node,
-                                                         ratios, ahead=self.prefetched.get(si))
-                handles.append((si, kinds, missing, reading))
-        except BaseException:
-            self._drain(handles)
-            raise
-        finally:
-            self.stats.load_s += time.perf_counter() - t0
+        with self.stats.timer("load_s"):
+            try:
+                self._collect()
+                for si, kinds in wanted:
+                    entry = self.segments[si].entry
+                    missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
+                                      if (kind, si, int(i)) not in self.loaded]
+                               for kind, ids in kinds.items()}
+                    missing = {kind: ids for kind, ids in missing.items() if ids}
+                    reading = None
+                    if missing:
+                        ratios = {kind: self.store.chunk_ratios(entry, ids)
+                                  for kind, ids in missing.items()}
+                        reading = self.store.submit(entry, missing, self.segments[si].node,
+                                                    ratios, ahead=self.prefetched.get(si))
+                    handles.append((si, kinds, missing, reading))
+            except BaseException:
+                self._drain(handles)
+                raise
         return handles
 
     def finish_all(self, handles) -> dict[int, dict[str, list[torch.Tensor]]]:
-        t0 = time.perf_counter()
         out = {}
-        try:
+        with self.stats.timer("load_s"):
             for n, (si, kinds, missing, reading) in enumerate(handles):
                 if reading is not None:
                     try:
@@ -111,8 +107,6 @@ class LayerLoader:
                     self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
                 out[si] = {kind: [self.loaded[(kind, si, int(i))] for i in ids]
                            for kind, ids in kinds.items()}
-        finally:
-            self.stats.load_s += time.perf_counter() - t0
         return out
 
     def close(self) -> None:

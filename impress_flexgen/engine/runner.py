@@ -7,8 +7,6 @@ attended, the MLP; the next layer's reads scheduled while this one computes.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
@@ -16,7 +14,7 @@ from flexgen.utils import ValueHolder
 from ..models.base import dense
 from ..request import RequestStats
 from ..runtime import Runtime
-from ..store.readahead import ReadAhead
+from .readahead import ReadAhead
 from .attention import attend
 from .family import FamilyMath
 from .prefix_kv import PrefixKV
@@ -86,10 +84,9 @@ class LayerRunner:
         Returns this layer's decode context [K, V, mask] and the (K, V) of positions
         matched.. (given, then new)."""
         weights = self.weights(1 + 2 * layer, stats)
-        t0 = time.perf_counter()
         x = hidden.val.data
-        q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-        stats.compute_s += time.perf_counter() - t0
+        with stats.timer("compute_s"):
+            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
 
         # The policy plans for the new tokens only; the recomputed front needs no prefix.
         prefix_k, prefix_v, prefix_mask = self.prefix.layer_kv(
@@ -97,24 +94,22 @@ class LayerRunner:
             front)
         given_kv = ()
         if given is not None:
-            t0 = time.perf_counter()
-            given_kv = given.kv(layer, self.device, self.dtype)
-            stats.load_s += time.perf_counter() - t0
+            with stats.timer("load_s"):
+                given_kv = given.kv(layer, self.device, self.dtype)
             prefix_k, prefix_v = [*prefix_k, given_kv[0]], [*prefix_v, given_kv[1]]
             prefix_mask = torch.cat([prefix_mask, torch.ones(
                 self.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool,
                 device=self.device)], dim=1)
-        t0 = time.perf_counter()
-        # One pass joins the loaded pieces and converts them to the compute dtype.
-        keys = torch.cat([*prefix_k, k_new[0]], dim=1)
-        values = torch.cat([*prefix_v, v_new[0]], dim=1)
-        s = k_new.shape[2]
-        new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
-        mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-        attn = self.attend(q, keys, values, mask, causal_tail=s, front=front)
-        hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                   self.compute)
-        stats.compute_s += time.perf_counter() - t0
+        with stats.timer("compute_s"):
+            # One pass joins the loaded pieces and converts them to the compute dtype.
+            keys = torch.cat([*prefix_k, k_new[0]], dim=1)
+            values = torch.cat([*prefix_v, v_new[0]], dim=1)
+            s = k_new.shape[2]
+            new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
+            mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
+            attn = self.attend(q, keys, values, mask, causal_tail=s, front=front)
+            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                       self.compute)
         self.mlp(2 + 2 * layer, hidden, stats)
         k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
         if given_kv:
@@ -131,31 +126,30 @@ class LayerRunner:
     def weights(self, j: int, stats: RequestStats):
         """Bring layer j's weights to the compute device (FlexGen's placement decides from
         where) and return them as plain tensors."""
-        t0 = time.perf_counter()
-        layer = self.model.layers[j]
-        layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
-        self.model.env.disk.synchronize()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.weights_s += time.perf_counter() - t0
+        with stats.timer("weights_s"):
+            layer = self.model.layers[j]
+            layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
+            self.model.env.disk.synchronize()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
         if j % 2 == 0:
             return None  # embedding (0) and MLP (even) layers consume their buffer in forward()
         return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
 
     def embed(self, ids, total_len: int, stats) -> ValueHolder:
         self.weights(0, stats)
-        t0 = time.perf_counter()
-        hidden, mask = ValueHolder(), ValueHolder()
-        hidden.store(TorchTensor.create_from_torch(
-            torch.tensor([ids], dtype=torch.int64, device=self.device), self.compute))
-        mask.store(TorchTensor.create_from_torch(
-            torch.ones(1, total_len, dtype=torch.bool, device=self.device), self.compute))
-        self.model.layers[0].forward(hidden, None, self.model.weight_read_buf[0], mask, None, 0, 0)
-        stats.compute_s += time.perf_counter() - t0
+        with stats.timer("compute_s"):
+            hidden, mask = ValueHolder(), ValueHolder()
+            hidden.store(TorchTensor.create_from_torch(
+                torch.tensor([ids], dtype=torch.int64, device=self.device), self.compute))
+            mask.store(TorchTensor.create_from_torch(
+                torch.ones(1, total_len, dtype=torch.bool, device=self.device), self.compute))
+            self.model.layers[0].forward(hidden, None, self.model.weight_read_buf[0], mask,
+                                         None, 0, 0)
         return hidden
 
     def mlp(self, j: int, hidden: ValueHolder, stats) -> None:
         self.weights(j, stats)
-        t0 = time.perf_counter()
-        self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
-        stats.compute_s += time.perf_counter() - t0
+        with stats.timer("compute_s"):
+            self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None,
+                                         None, 0, 0)

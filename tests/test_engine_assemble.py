@@ -1,0 +1,91 @@
+"""The one way to build policy + store + tiers + engine, and the request stats' timer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from impress_flexgen.engine import (Engine, Request, RequestStats, StoreSpec, TierSizes,
+                                    assemble, open_store)
+from impress_flexgen.engine import assemble as assemble_module
+from impress_flexgen.errors import UserError
+from policies import ServingConfig, make_policy
+
+
+def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
+    rt = tiny_runtimes["llama-tiny"]
+    prefix = np.random.default_rng(5).integers(10, 40000, 48).tolist()
+    cfg = ServingConfig(retention=0.5)
+    stack = assemble(rt, make_policy("impress", cfg), StoreSpec(tmp_path / "a", chunk_size=16),
+                     TierSizes(0, 1 << 20))
+    try:
+        assert stack.engine.store is stack.store and stack.store is not None
+        assert stack.store.config.chunk_size == 16 and stack.store.cache is not None
+        got = [stack.engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
+    finally:
+        stack.close()
+    assert stack.store._closed
+    policy = make_policy("impress", cfg)
+    store = open_store(tmp_path / "b", rt, cfg, policy, chunk_size=16)
+    try:
+        engine = Engine(rt, store, policy, TierSizes(0, 1 << 20))
+        want = [engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
+    finally:
+        store.close()
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert got[1].stats.matched_tokens == want[1].stats.matched_tokens == 48
+
+
+def test_a_policy_that_reuses_nothing_opens_no_store(tiny_runtimes, tmp_path):
+    stack = assemble(tiny_runtimes["opt-tiny"], make_policy("recomp"), StoreSpec(tmp_path / "s"))
+    stack.close()
+    assert stack.store is None and stack.engine.store is None
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_store_that_cannot_be_opened_is_refused_naming_it(tiny_runtimes, tmp_path):
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    with pytest.raises(UserError, match="cannot open the store in .*file"):
+        assemble(tiny_runtimes["opt-tiny"], make_policy("full"), StoreSpec(path))
+
+
+def test_the_store_is_closed_when_the_engine_cannot_be_built(tiny_runtimes, tmp_path,
+                                                            monkeypatch):
+    opened = []
+    real_open = assemble_module._open
+
+    def recording_open(*args):
+        opened.append(real_open(*args))
+        return opened[-1]
+
+    def failing_engine(*args):
+        raise UserError("no engine")
+
+    monkeypatch.setattr(assemble_module, "_open", recording_open)
+    monkeypatch.setattr(assemble_module, "Engine", failing_engine)
+    with pytest.raises(UserError, match="no engine"):
+        assemble(tiny_runtimes["opt-tiny"], make_policy("full"), StoreSpec(tmp_path / "s"))
+    assert opened and opened[0]._closed
+
+
+def test_the_timer_adds_the_block_less_the_excluded_stats(monkeypatch):
+    import impress_flexgen.request as request
+
+    clock = iter([10.0, 13.0, 20.0, 20.5, 30.0, 31.0])
+
+    class Clock:
+        perf_counter = staticmethod(lambda: next(clock))
+
+    monkeypatch.setattr(request, "time", Clock)
+    stats = RequestStats(select_s=1.0)
+    with stats.timer("select_s", exclude=("probe_s", "load_s")):
+        stats.probe_s += 0.5          # I/O inside the block is not selection time
+        stats.load_s += 1.0
+    assert stats.select_s == 1.0 + 3.0 - 1.5
+    with stats.timer("load_s"):
+        pass
+    assert stats.load_s == 1.5
+    with pytest.raises(ValueError):  # a block that raises still counts its time
+        with stats.timer("compute_s"):
+            raise ValueError
+    assert stats.compute_s == 1.0
