@@ -1,12 +1,13 @@
 """The one way to build policy + store + tiers + engine, and the request stats' timer."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 from impress_flexgen.engine import (Engine, Request, RequestStats, StoreSpec, TierSizes,
                                     assemble, open_store)
-from impress_flexgen.engine import assemble as assemble_module
 from impress_flexgen.errors import UserError
 from policies import ServingConfig, make_policy
 
@@ -43,15 +44,16 @@ def test_a_policy_that_reuses_nothing_opens_no_store(tiny_runtimes, tmp_path):
 
 
 def test_a_store_that_cannot_be_opened_is_refused_naming_it(tiny_runtimes, tmp_path):
-    path = tmp_path / "file"
-    path.write_text("not a directory")
-    with pytest.raises(UserError, match="cannot open the store in .*file"):
-        assemble(tiny_runtimes["opt-tiny"], make_policy("full"), StoreSpec(path))
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(UserError, match="store directory .*file/store: Not a directory"):
+        assemble(tiny_runtimes["opt-tiny"], make_policy("full"),
+                 StoreSpec(tmp_path / "file" / "store"))
 
 
 def test_the_store_is_closed_when_the_engine_cannot_be_built(tiny_runtimes, tmp_path,
                                                             monkeypatch):
-    opened = []
+    assemble_module = sys.modules["impress_flexgen.engine.assemble"]   # (the package's
+    opened = []                                                         # name: the function)
     real_open = assemble_module._open
 
     def recording_open(*args):
