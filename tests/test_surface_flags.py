@@ -23,9 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from impress_flexgen import run, serve
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server
-from impress_flexgen.service import (CHUNK_SIZE, Frontend, Job, Service, ServiceConfig,
-                                     StoreOptions, redact_url)
-from impress_flexgen.serving import RunConfig
+from impress_flexgen.config import RunConfig, ServiceConfig, StoreOptions
+from impress_flexgen.frontend import Frontend, Job
+from impress_flexgen.service import Service
+from impress_flexgen.store.config import CHUNK_SIZE
+from impress_flexgen.tiers.remote_url import redact_url
 from impress_flexgen.tiers import REMOTE, TierConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
 from tests.redis_server import RedisServer, free_port, require_redis_server
