@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from policies import ServingConfig, make_policy
+from policies import make_policy
 
 from . import scratch
 from .config import RunConfig, StoreOptions
@@ -26,7 +26,6 @@ from .engine import Engine, Request, TierSizes, model_shape, open_store
 from .errors import UserError
 from .planner import PLANS
 from .runtime import Runtime
-from .store.config import CHUNK_SIZE
 from .tiers import GPU, REMOTE, TierConfig
 from .workload import Workload
 
