@@ -56,6 +56,8 @@ class Ticket:
 
 
 class Service:
+    """Jobs in (submit, complete), completions out, one worker thread over the engine."""
+
     def __init__(self, config: ServiceConfig | None = None, runtime=None, tokenizer=None):
         """Builds the runtime (unless one is given: then it stays the caller's to close),
         opens the store, builds the engine (its planner calibrated, its shared pool asked
