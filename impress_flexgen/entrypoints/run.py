@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     from .workload import check_workload, serve_workload
 
     # A request file is served with a server's tiers; the built-in workload's default tiers
-    # are a share of its prefix KV (serve()): the runtime leaves room for what was sized.
+    # are a share of its prefix KV (serve_workload()): the runtime leaves room for what was sized.
     config = ServiceConfig.from_args(args, timeout_s=float("inf"), default_tiers=(
         DEFAULT_TIER_BYTES if args.requests is not None else (0, 0)))
     cfg = config.runtime_config()
