@@ -13,7 +13,7 @@ ENTRY = "impress_flexgen.entrypoints"
 SHIMS = {f"{PACKAGE}.{m}" for m in ("run", "serve", "verify", "cli", "__main__")}
 MAX_LINES = 450
 # Files still over the limit, until they are split by concept: none may be added.
-STILL_LONG = {"impress_flexgen/engine.py", "impress_flexgen/placement.py",
+STILL_LONG = {"impress_flexgen/placement.py",
               "impress_flexgen/tiers/remote.py"}
 
 
