@@ -120,6 +120,12 @@ def sensitivity_runs() -> list[tuple[str, str, RunConfig]]:
     return [(k, v, dataclasses.replace(r, label=f"{k}={v}")) for k, v, r in out]
 
 
+def _sizes(tiers: TierSizes) -> dict:
+    """The tiers' record as reported: each run's serving policy picks its tier policy, so
+    the record's own is left out (it is not what ran)."""
+    return {k: v for k, v in dataclasses.asdict(tiers).items() if k != "policy"}
+
+
 # -- parts ------------------------------------------------------------------------------
 class Reproduction:
     def __init__(self, args, sizes: Sizes):
@@ -152,7 +158,7 @@ class Reproduction:
         runs = serving_runs() + (ABLATION_RUNS if "ablation" in self.args.parts else [])
         rows = self.serve_all(rt, wl, runs, tiers, "serving")
         result = {"workload": dataclasses.asdict(cfg), "sources": wl.sources,
-                  "tiers": dataclasses.asdict(tiers), "results": rows}
+                  "tiers": _sizes(tiers), "results": rows}
         self.cache["serving"] = result
         return result
 
@@ -211,7 +217,7 @@ class Reproduction:
             (r,) = self.serve_all(rt, wl_n, [RunConfig("impress", "impress")], fixed,
                                   f"pool {n}")
             pool.append({"knob": "pool_prefixes", "value": str(n), **_pick(r, f"pool={n}")})
-        out = {"workload": dataclasses.asdict(cfg), "tiers": dataclasses.asdict(tiers),
+        out = {"workload": dataclasses.asdict(cfg), "tiers": _sizes(tiers),
                "results": table, "pool": pool}
         figures.sensitivity(out, self.out / "sensitivity.png")
         return out

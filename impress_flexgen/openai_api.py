@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .service import ServiceError
+from .errors import ServiceError
 
 MAX_N = 16     # choices per request
 

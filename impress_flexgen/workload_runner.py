@@ -19,62 +19,19 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from policies import ServingConfig
-
 from . import scratch
+from .config import RunConfig, StoreOptions
 from .engine import Engine, Request, TierSizes, model_shape
 from .engine.assemble import StoreSpec, assemble, make_serving_policy, start_engine
 from .errors import UserError
 from .planner import PLANS
 from .runtime import Runtime
-from .store.config import CHUNK_SIZE
-from .store_root import StoreOptions
 from .tiers import GPU, REMOTE, TierConfig
 from .workload import Workload
 
 log = logging.getLogger("impress_flexgen.serving")
 
 PLAN_KINDS = tuple(p for p in PLANS if p != "auto")   # what a request's plan turns out to be
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One row of a comparison: a policy and every knob that shapes its result."""
-
-    label: str
-    policy: str
-    retention: float = 0.25
-    granularity: str = "chunk"
-    threshold: str = "none"
-    threshold_value: float = 0.85
-    adaptive_alpha: float = 0.6
-    probe_heads: str | tuple[int, ...] = "auto"
-    probe_format: str = "int4"
-    chunk_size: int = CHUNK_SIZE
-    decode_over: str = "kept"
-    reorder_hot_fraction: float = 0.25   # see StoreConfig
-    reorder_by: str = "importance"       # or "semantic" (StoreConfig)
-    tier_policy: str | None = None       # override the policy's GPU/CPU tier policy
-    probe_queries: int = 0               # see ServingConfig
-    probe_stride: int = 1                # see ServingConfig
-    probe_every: int = 1                 # see ServingConfig
-    prefetch: bool = False               # see ServingConfig
-    plan: str = "load"                   # see ServingConfig: load, recompute, both or auto
-
-    def store_options(self) -> dict:
-        """The knobs of this row that shape its store (open_store keyword arguments)."""
-        return {"chunk_size": self.chunk_size, "probe_format": self.probe_format,
-                "reorder_hot_fraction": self.reorder_hot_fraction,
-                "reorder_by": self.reorder_by}
-
-    def serving(self) -> ServingConfig:
-        return ServingConfig(retention=self.retention, granularity=self.granularity,
-                             threshold=self.threshold, threshold_value=self.threshold_value,
-                             adaptive_alpha=self.adaptive_alpha, probe_heads=self.probe_heads,
-                             probe_queries=self.probe_queries,
-                             probe_stride=self.probe_stride, probe_every=self.probe_every,
-                             prefetch=self.prefetch,
-                             decode_over=self.decode_over, plan=self.plan)
 
 
 def kv_bytes_per_token(runtime: Runtime) -> int:

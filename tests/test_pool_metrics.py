@@ -9,7 +9,7 @@ from impress_flexgen.serve import background_server
 from impress_flexgen.service import Service, ServiceConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
 from tests.redis_server import RedisServer, require_redis_server
-from tests.test_surface_flags import MODEL, _ids, _metric, _metrics, private_cost_cache, runtime
+from tests.test_service_config import MODEL, _ids, _metric, _metrics, private_cost_cache, runtime
 
 __all__ = ["private_cost_cache", "runtime"]   # fixtures
 

@@ -10,7 +10,8 @@ import pytest
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server, parse_args, server_options
 from impress_flexgen.serve_guard import ServerOptions, namespace
-from impress_flexgen.service import Service, ServiceConfig
+from impress_flexgen.config import ServiceConfig
+from impress_flexgen.service import Service
 
 MODEL = "llama-tiny"
 

@@ -56,16 +56,8 @@ from .runner import LayerRunner
 log = logging.getLogger("impress_flexgen.engine")
 
 
-@dataclasses.dataclass(frozen=True)
-class TierSizes:
-    gpu_bytes: int = 0
-    cpu_bytes: int = 0
-    alpha: float = 1.2
-    exclusive: bool = True
-    verify_hits: bool = False    # CRC-check every tier hit (promotions always are)
-    remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
-    remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
-    remote_ttl: int | None = None  # seconds the pool keeps a chunk (None: until evicted)
+# The tiers' record under its old name (sizes, shared pool): one record, tiers.TierConfig.
+TierSizes = TierConfig
 
 
 class Engine:

@@ -4,7 +4,11 @@
     impress-flexgen serve [flags]   # the OpenAI-compatible server
     impress-flexgen verify [flags]  # greedy output against transformers on the same weights
 
-Each subcommand takes exactly the flags of `python -m impress_flexgen.<job>`.
+Each subcommand takes exactly the flags of `python -m impress_flexgen.<job>`. The package's
+programs live here, apart from what they drive: run.py (with its modes workload.py,
+batch.py, generate.py), openai_server.py (routes in openai_app.py), verify.py; args.py holds
+the shared flags and process.py the exit statuses. No module outside this package imports
+it (the old module paths impress_flexgen.run, serve, verify and cli forward here).
 """
 from __future__ import annotations
 
@@ -24,15 +28,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"impress-flexgen: unknown job '{job}'; choose one of: {', '.join(JOBS)}",
               file=sys.stderr)
         return 2
-    from ..cli import run_main
+    from .process import run_main
 
     # Imported on demand: each job's module pulls in torch and FlexGen.
     if job == "run":
-        from ..run import main as job_main
+        from .run import main as job_main
     elif job == "serve":
-        from ..serve import main as job_main
+        from .openai_server import main as job_main
     else:
-        from ..verify import main as job_main
+        from .verify import main as job_main
     return run_main(f"impress-flexgen {job}", job_main, rest)
 
 

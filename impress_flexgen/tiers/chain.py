@@ -44,12 +44,19 @@ class TierSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
+    """The tiers in front of the disk and the shared pool behind it: one record for the
+    memory chain, the engine and the service (engine.TierSizes is this record's old name).
+    The engine gives its chain the serving policy's tier policy."""
+
     gpu_bytes: int = 0        # capacity of the GPU tier in bytes (0 = tier disabled)
     cpu_bytes: int = 0        # capacity of the CPU tier in bytes (0 = tier disabled)
     policy: str = "score"     # "score" | "lru" | "lfu"
     alpha: float = 1.2        # exponent on the important-token ratio (score policy)
     exclusive: bool = True    # True: a chunk lives in at most one tier (as in the paper)
     verify_hits: bool = False  # True: check every hit's CRC (a GPU copy via the host); debug
+    remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
+    remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
+    remote_ttl: int | None = None  # seconds the pool keeps a chunk (None: until evicted)
 
     def memory_tiers(self, accelerator: str | None = None) -> tuple[TierSpec, ...]:
         """The memory tiers, fastest first; the one place they are named and ordered.

@@ -1,8 +1,8 @@
-"""The product surface of the planner, the shared pool and the disk read limit: --plan,
---remote-tier and --disk-read-limit on `run` and `serve`, parsed into one configuration
-(ServiceConfig: runtime, run, tiers, store; no copied fields) that reaches the engine, and
-the /metrics series they add. `make test`'s redis-server step, with its hint when it
-cannot install one."""
+"""The service's configuration (config.py) from the command line: every flag of `run` and
+`serve`, among them --plan, --remote-tier and --disk-read-limit, parsed into one
+ServiceConfig (runtime, run, tiers, store: typed parts, one tier record, no copied fields)
+that reaches the engine, and the /metrics series they add. `make test`'s redis-server
+step, with its hint when it cannot install one."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from impress_flexgen import run, serve
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server
-from impress_flexgen.service import (CHUNK_SIZE, Frontend, Job, Service, ServiceConfig,
-                                     StoreOptions, redact_url)
-from impress_flexgen.serving import RunConfig
+from impress_flexgen.config import RunConfig, ServiceConfig, StoreOptions
+from impress_flexgen.frontend import Frontend, Job
+from impress_flexgen.service import Service
+from impress_flexgen.store.config import CHUNK_SIZE
+from impress_flexgen.tiers.remote_url import redact_url
 from impress_flexgen.tiers import REMOTE, TierConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
 from tests.redis_server import RedisServer, free_port, require_redis_server
@@ -145,6 +147,19 @@ def test_run_and_serve_build_the_same_config_from_the_same_flags():
                                     default_tiers=(100, 200))
     assert (sized.run.label, sized.tiers.gpu_bytes, sized.tiers.cpu_bytes) == \
         ("full", 100, int(1.5 * GB))
+
+
+def test_one_tier_record_and_every_part_typed():
+    import typing
+
+    from impress_flexgen.engine import TierSizes
+
+    assert TierSizes is TierConfig           # the engine's old name for the same record
+    hints = typing.get_type_hints(ServiceConfig)
+    assert (hints["runtime"], hints["run"], hints["tiers"], hints["store"]) == \
+        (RuntimeConfig, RunConfig, TierConfig, StoreOptions)
+    sized = TierConfig(1, 2, remote_url="redis://127.0.0.1:6379/0", remote_secret="hush-7")
+    assert "hush-7" not in repr(sized) and ServiceConfig(tiers=sized).tiers.remote_url
 
 
 def test_one_chunk_size_default():

@@ -116,7 +116,7 @@ def test_request_file_flags_are_checked(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def frontend():
     from impress_flexgen.runtime import RuntimeConfig, resolve_spec
-    from impress_flexgen.service import Frontend
+    from impress_flexgen.frontend import Frontend
     from impress_flexgen.tokenizer import load_tokenizer
 
     spec = resolve_spec(RuntimeConfig(model=MODEL))
@@ -124,7 +124,7 @@ def frontend():
 
 
 def test_request_files_use_the_defaults_of_every_entry_point(tmp_path, frontend):
-    from impress_flexgen.service import read_requests
+    from impress_flexgen.request_files import read_requests
 
     assert (defaults.MAX_TOKENS, defaults.TEMPERATURE, defaults.TOP_P) == (256, 1.0, 1.0)
     requests = tmp_path / "in.jsonl"

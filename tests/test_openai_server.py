@@ -25,9 +25,10 @@ from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server
 from impress_flexgen.serve_guard import ServerOptions
-from impress_flexgen.service import (Service, ServiceConfig, ServiceError, TextStream,
-                                     sampling_params)
-from impress_flexgen.serving import RunConfig
+from impress_flexgen.config import RunConfig, ServiceConfig
+from impress_flexgen.errors import ServiceError
+from impress_flexgen.frontend import TextStream, sampling_params
+from impress_flexgen.service import Service
 from policies import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ from impress_flexgen.engine import Engine, Request
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server, parse_args
-from impress_flexgen.service import Service, ServiceConfig
+from impress_flexgen.config import ServiceConfig
+from impress_flexgen.service import Service
 from policies import make_policy
 
 MODEL = "llama-tiny"
@@ -167,7 +168,7 @@ def test_routes_models_tokenize_detokenize_version_retry_after(server):
     assert back == {"prompt": TEXT}
     assert httpx2.get(url + "/version").json()["version"]
     assert httpx2.post(url + "/tokenize", json={"prompt": 3}).status_code == 400
-    from impress_flexgen.service import ServiceError
+    from impress_flexgen.errors import ServiceError
 
     submit = service.submit
 
