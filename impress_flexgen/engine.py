@@ -508,7 +508,7 @@ class Engine:
         segments = loader.segments
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
                            self.config, self.probe_heads, self.probe_kv_heads,
-                           loader.read_probe, loader.load, n_pad=n_pad)
+                           loader.read_probe, loader.load, n_pad=n_pad, front=front)
         t0 = time.perf_counter()
         io_before = stats.probe_s + stats.load_s
         plan = self.policy.plan_layer(ctx)
