@@ -73,3 +73,40 @@ def test_a_recomputed_front_counts_as_kept_and_is_predicted(reordered, monkeypat
     for m, chunks in loaded.items():
         predicted = costs.io_after[m] / chunk_s
         assert predicted == pytest.approx(chunks, rel=0.15, abs=L), m
+
+
+class _Entry:
+    def __init__(self, n, c, physical_of):
+        self.physical_of, self.mapping = physical_of, np.argsort(physical_of)
+        self.layout = type("L", (), {"n_tokens": n, "chunk_size": c, "n_chunks": n // c})
+
+
+class _Ctx:
+    def __init__(self, segments):
+        self.segments = segments
+
+    def split(self, values):
+        return [values]
+
+
+def test_chunk_selection_spends_only_the_rest_of_the_budget_past_a_front():
+    from policies.base import Segment
+    from policies.itf import chunk_selection
+
+    # As a reordered node: chunks 0..6 each mix tokens from all over the first 112, round
+    # robin; chunk 7 holds the last 16 (the recent ones).
+    logical = np.arange(128)
+    physical_of = np.where(logical < 112, (logical % 7) * 16 + logical // 7, logical)
+    seg = Segment(type("N", (), {"start": 0})(), 128, _Entry(128, 16, physical_of))
+    scores = np.linspace(1.0, 2.0, 128)
+    ctx = _Ctx([seg])
+    everything = chunk_selection(ctx, scores, 64)[0].tolist()
+    assert len(everything) == 4 and {0, 7} <= set(everything)   # sink, recent and two more
+    # A front of 48 tokens counted as kept leaves 16 of the budget: the recent chunk alone
+    # (every chunk of the selection holds tokens past the front, so dropping the front's
+    # chunks would still read all four).
+    assert chunk_selection(ctx, scores, 64 - 48, front=48)[0].tolist() == [7]
+    assert chunk_selection(ctx, scores, 0, front=96)[0].tolist() == [7]
+    # With budget to spare past the front, chunks are counted by their tokens past it.
+    wider = chunk_selection(ctx, scores, 96 - 48, front=48)[0].tolist()
+    assert 7 in wider and 0 < len(wider) - 1 and len(wider) > 48 // 16
