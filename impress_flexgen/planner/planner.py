@@ -16,9 +16,8 @@ tier's bandwidth (the disk's learned from the reads requests do, never above a c
 read limit) for the chunks the policy is expected to load: every chunk for a policy that
 loads everything, else the chunks its last query selected on that (node, layer), else a
 learned share of them all; which of those a split leaves to read is reads.py's model. The
-policy's scoring is learned as seconds per
-(new token x stored token). What the model still misses (joining the loaded pieces, the
-policy's bookkeeping) is learned as one correction per plan, the ratio of measured to
+policy's scoring is learned as seconds per (new token x stored token). What the model still
+misses (joining the loaded pieces, the policy's bookkeeping) is learned as one correction per plan, the ratio of measured to
 predicted time to first token, applied to the prediction reported (not to the choice:
 see choose()). Every learned figure is a median of the last few requests.
 
