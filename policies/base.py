@@ -162,6 +162,9 @@ class LayerContext:
     read_probe: Callable[[], ProbeKeys]                          # this layer's probe keys
     load: Callable[[str, int, np.ndarray], list[torch.Tensor]]  # kind, segment, chunk ids
     n_pad: int = 0                  # leading prefix tokens nobody attends to (padding)
+    # Leading prefix tokens recomputed in this pass (the "both" plan): the new tokens attend
+    # all of them, so a policy that keeps_front counts them as kept and selects among the rest.
+    front: int = 0
 
     @property
     def n_prefix(self) -> int:
@@ -208,6 +211,10 @@ class ServingPolicy:
     # Every prefill attends to the whole prefix it was given (nothing selected): such a
     # policy matches only stored KV that was computed exactly, and its own is exact.
     exact_reads = False
+    # plan_layer counts a recomputed front (LayerContext.front) as kept and spends only the
+    # rest of its budget on loaded chunks (False: it selects as if nothing were recomputed;
+    # the engine then skips the chosen chunks holding front tokens only).
+    keeps_front = False
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config

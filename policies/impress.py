@@ -18,6 +18,9 @@ ABLATIONS = {"itf": ("lru", False), "itf_ro": ("lru", True), "all": ("score", Tr
 class Impress(ServingPolicy):
     name = "impress"
     reads_probe = True
+    # A recomputed front counts as kept: only the rest of the budget is loaded, so the
+    # "both" plan reads less even when reordered chunks mix tokens from all over the prefix.
+    keeps_front = True
 
     def __init__(self, config: ServingConfig = ServingConfig(), ablation: str = "all"):
         super().__init__(config)
@@ -58,16 +61,26 @@ class Impress(ServingPolicy):
             plan.fallback, plan.jaccard = k < n, jaccard
             plan.scores, plan.selected = ctx.split(summed), ctx.split(np.ones(n, bool))
             return plan
+        # What this query selects of the whole prefix (recorded as its importance feedback,
+        # whatever the plan), and what it loads: with a recomputed front, the front counts
+        # as kept and the rest of the budget goes to the tokens after it.
+        front = min(ctx.front, n)
         if cfg.granularity == "token":
             keep = vote(member, scores, k).numpy()
+            load = keep
+            if front:
+                load = np.zeros(n, dtype=bool)
+                if k > front and front < n:
+                    load[front:] = vote(member[:, front:], scores[:, front:], k - front).numpy()
             chunks = [np.unique(seg.logical_to_chunk()[sel])
-                      for seg, sel in zip(ctx.segments, ctx.split(keep))]
+                      for seg, sel in zip(ctx.segments, ctx.split(load))]
             n_kv = ctx.k_new.shape[0]
-            attend = [np.broadcast_to(sel, (n_kv, len(sel))) for sel in ctx.split(keep)]
+            attend = [np.broadcast_to(sel, (n_kv, len(sel))) for sel in ctx.split(load)]
             return LayerPlan(chunks, chunks, attend, jaccard=jaccard,
                              scores=ctx.split(summed), selected=ctx.split(keep))
-        chunks = chunk_selection(ctx, summed, k)
-        selected = [seg.in_chunks(ch) for seg, ch in zip(ctx.segments, chunks)]
+        chosen = chunk_selection(ctx, summed, k)
+        selected = [seg.in_chunks(ch) for seg, ch in zip(ctx.segments, chosen)]
+        chunks = chosen if not front else chunk_selection(ctx, summed, k - front, front)
         return LayerPlan(chunks, chunks, [None] * len(chunks), jaccard=jaccard,
                          scores=ctx.split(summed), selected=selected)
 

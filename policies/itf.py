@@ -145,27 +145,31 @@ def vote(member: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
     return keep
 
 
-def chunk_selection(ctx: LayerContext, token_scores: np.ndarray, budget: int
+def chunk_selection(ctx: LayerContext, token_scores: np.ndarray, budget: int, front: int = 0
                     ) -> list[np.ndarray]:
     """Whole chunks ranked by summed token scores, up to `budget` prefix tokens.
 
     The sink chunk (the prefix's first tokens) and the chunk(s) holding the most recent
-    tokens are always kept. Returns per segment the chosen physical chunk ids.
+    tokens are always kept. `front`: the prefix tokens before it are recomputed, not loaded:
+    chunks are ranked and counted by their tokens from `front` on only, and a chunk holding
+    none of those is never chosen (the sink is then in the front). Returns per segment the
+    chosen physical chunk ids.
     """
     c = ctx.segments[0].entry.layout.chunk_size
     scores, counts, owner, chunk, forced = [], [], [], [], []
     last = len(ctx.segments) - 1
     for si, (seg, seg_scores) in enumerate(zip(ctx.segments, ctx.split(token_scores))):
-        chunk_of = seg.logical_to_chunk()
+        first = min(seg.used, max(0, front - seg.start))
+        chunk_of = seg.logical_to_chunk()[first:]
         n_chunks = seg.entry.layout.n_chunks
         held = np.bincount(chunk_of, minlength=n_chunks)
         ids = np.flatnonzero(held)
         must = np.zeros(n_chunks, dtype=bool)
-        if seg.start == 0:
+        if seg.start == 0 and first == 0:
             must[chunk_of[0]] = True
-        if si == last:
+        if si == last and len(chunk_of):
             must[chunk_of[-c:]] = True
-        scores.append(np.bincount(chunk_of, weights=seg_scores, minlength=n_chunks)[ids])
+        scores.append(np.bincount(chunk_of, weights=seg_scores[first:], minlength=n_chunks)[ids])
         counts.append(held[ids])
         owner.append(np.full(len(ids), si))
         chunk.append(ids)

@@ -41,7 +41,8 @@ from policies import ServingPolicy
 
 from ..batch_runner import BatchRunner
 from ..errors import UserError
-from ..prefix_plan import ContextKV, PrefixPlanner
+from ..planner.context import ContextKV
+from ..planner.planner import Planner
 from ..request import Request, RequestStats, Response
 from ..runtime import Runtime
 from ..sampling import Sampler
@@ -108,7 +109,7 @@ class Engine:
         self.tier_names = TierConfig().names(remote=self.shared is not None)
         self.max_positions = runtime.spec.config.max_seq_len
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
-            self.planner = PrefixPlanner(self)
+            self.planner = Planner.for_engine(self)
         self.runner = BatchRunner(self)     # the decode steps of a batch
 
     def close(self) -> None:

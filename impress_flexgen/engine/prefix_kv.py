@@ -42,7 +42,7 @@ class PrefixKV:
         segments = loader.segments
         ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
                            self.config, self.probe_heads, self.probe_kv_heads,
-                           loader.read_probe, loader.load, n_pad=n_pad)
+                           loader.read_probe, loader.load, n_pad=n_pad, front=front)
         # The policy's probe reads and loads are counted as I/O, not as selection.
         with stats.timer("select_s", exclude=("probe_s", "load_s")):
             plan = self.policy.plan_layer(ctx)

@@ -1,0 +1,7 @@
+import sys
+
+from impress_flexgen.cli import run_main
+
+from .main import main
+
+sys.exit(run_main("python -m experiments.planner", main))
