@@ -48,13 +48,14 @@ from .errors import UserError
 from .models.base import dense
 from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from .models.opt import opt_out, opt_qkv
+from .batch_prefill import PassInput, PrefillJob, prefill_pass
 from .batch_runner import BatchRunner
 from .runtime import Runtime
 from .sampling import Sampler
 from .sequence import LayerKV, Sequence
 from .store import (CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig,
                     StoreWriteFailed, model_fingerprint)
-from .store.readahead import LayerLoader, ReadAhead
+from .store.readahead import LayerLoader
 from .prefix_plan import ContextKV, PrefixPlanner
 from .request import Request, RequestStats, Response
 from .store.shared import SharedMiss, shared_pool
@@ -218,17 +219,7 @@ class Engine:
     def start(self, request: Request, query_logits: bool = False) -> Sequence:
         """The prefill step of a request (match, plan, load, compute, first token, store):
         a sequence for decode steps, `done` when the first token was also the last."""
-        if not request.query:
-            raise UserError("a request needs at least one query token")
-        if request.max_new_tokens < 1:
-            raise UserError("max_new_tokens must be at least 1")
-        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
-            raise UserError("n_pad must leave at least one real prefix token")
-        if request.forced is not None and request.max_new_tokens > 1 and \
-                len(request.forced) < request.max_new_tokens - 1:
-            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
-        if request.on_token is not None:
-            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
+        request = self._checked(request)
         use_shared = self.shared is not None
         for attempt in range(4):
             try:
@@ -247,6 +238,21 @@ class Engine:
                 self.shared_fallbacks += 1
                 use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
+
+    def _checked(self, request: Request) -> Request:
+        """The request, refused (UserError) if malformed; its on_token relayed across retries."""
+        if not request.query:
+            raise UserError("a request needs at least one query token")
+        if request.max_new_tokens < 1:
+            raise UserError("max_new_tokens must be at least 1")
+        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
+            raise UserError("n_pad must leave at least one real prefix token")
+        if request.forced is not None and request.max_new_tokens > 1 and \
+                len(request.forced) < request.max_new_tokens - 1:
+            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
+        if request.on_token is not None:
+            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
+        return request
 
     def step(self, seqs: list[Sequence]) -> None:
         """One decode step: the next token of every sequence (none of them done), with
@@ -273,23 +279,34 @@ class Engine:
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,
                use_shared: bool = False) -> Sequence:
+        job = self._open(req, want_query_logits, recovered, use_shared)
+        try:
+            # 2-4. prefill
+            kept, new_kv, tail, out_w = prefill_pass(self, [job.pass_input()])[0]
+            self._first_token(job, tail, out_w)
+            return self._to_decode(job, kept, new_kv)
+        finally:
+            job.release(self)
+
+    def _open(self, req: Request, want_query_logits: bool, recovered: int,
+              use_shared: bool = False) -> PrefillJob:
+        """1. match, and the plan: what a prefill pass needs of the request (its matched
+        prefix pinned until the job is released)."""
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
                              bytes_read=dict.fromkeys(self.tier_names, 0))
-        n_pad = req.n_pad
-        t_start = time.perf_counter()
-        disk_before = self.store.reader.counters() if self.planner is not None else None
-        match = None
         use_store = self.store is not None and self.policy.reuse
+        job = PrefillJob(req, want_query_logits, stats, time.perf_counter(),
+                         self.store.reader.counters() if self.planner is not None else None,
+                         None, use_store, use_shared)
         try:
-            # 1. match
             if use_store:
                 # An exact reader never sees KV computed over a selection of a prefix.
-                match = self.store.match_prefix(req.prefix, namespace=req.namespace,
-                                                exact_only=self.policy.exact_reads)
-            segments_nodes = match.segments if match else []
+                job.match = self.store.match_prefix(req.prefix, namespace=req.namespace,
+                                                    exact_only=self.policy.exact_reads)
+            segments_nodes = job.match.segments if job.match else []
             matched = sum(u for _, u in segments_nodes)
             stats.matched_tokens = matched
-            stats.match_s = time.perf_counter() - t_start
+            stats.match_s = time.perf_counter() - job.t_start
             # The prefix tokens right after the matched ones may be in the shared pool.
             given = self.shared.open(req.prefix, matched, stats, tenant=req.namespace) \
                 if use_shared and use_store else None
@@ -302,69 +319,77 @@ class Engine:
             stats.computed_tokens = len(new_ids) + front
             if front >= matched:
                 segments_nodes = []      # nothing left to load
+        except BaseException:
+            job.release(self)
+            raise
+        job.segments_nodes, job.matched, job.given, job.n_given = \
+            segments_nodes, matched, given, n_given
+        job.new_ids, job.front = new_ids, front
+        return job
 
-            # 2-4. prefill
-            kept, new_kv, tail, out_w = self._prefill(
-                new_ids, matched, segments_nodes, stats,
-                n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad,
-                front_ids=req.prefix[:front], given=given)
+    def _first_token(self, job: PrefillJob, tail, out_w) -> None:
+        """4. the first token from the last hidden state; streamed now."""
+        req, stats = job.req, job.stats
+        t0 = time.perf_counter()
+        logits = self.math.logits(out_w, tail[-1:]).cpu()
+        stats.compute_s += time.perf_counter() - t0
+        sampler = Sampler(req.sampling)
+        first = sampler.pick(logits[-1])
+        stats.ttft_s = time.perf_counter() - job.t_start
+        if job.disk_before is not None and job.matched and job.learn:
+            self._learn(stats, job.disk_before, job.matched)
+        # The first token goes out now; storing the prefix (5.) follows either way.
+        job.going = first not in sampler.stop_token_ids and \
+            (req.on_token is None or req.on_token(first) is not False)
+        if job.want_query_logits and len(tail) > 1:   # for checks, after the first token
+            logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
+        job.sampler, job.first, job.logits = sampler, first, logits
+
+    def _to_decode(self, job: PrefillJob, kept, new_kv) -> Sequence:
+        """5. store the new prefix KV; 6. the request's decode context."""
+        req, stats, matched, n_given = job.req, job.stats, job.matched, job.n_given
+        if job.use_store and self.policy.store_new:
             t0 = time.perf_counter()
-            logits = self.math.logits(out_w, tail[-1:]).cpu()
-            stats.compute_s += time.perf_counter() - t0
-            sampler = Sampler(req.sampling)
-            first = sampler.pick(logits[-1])
-            stats.ttft_s = time.perf_counter() - t_start
-            if disk_before is not None and matched:
-                self._learn(stats, disk_before, matched)
-            # The first token goes out now; storing the prefix (5.) follows either way.
-            going = first not in sampler.stop_token_ids and \
-                (req.on_token is None or req.on_token(first) is not False)
-            if want_query_logits and len(tail) > 1:   # for checks, after the first token
-                logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
+            n_prefix_new = len(req.prefix) - matched
+            if n_prefix_new >= self.store.config.chunk_size:
+                try:
+                    self.store.insert(req.prefix, matched,
+                                      [(k[:, :n_prefix_new], v[:, :n_prefix_new])
+                                       for k, v in new_kv],
+                                      namespace=req.namespace, exact=stats.exact)
+                except StoreWriteFailed as exc:
+                    log.warning("prefix not stored: %s", exc)
+                else:
+                    if job.use_shared and stats.exact:
+                        # Durable here first; then shared (write-through, in the
+                        # background): the chunks the pool did not give us. Only
+                        # exact KV is shared: the pool keeps no flag.
+                        self.shared.publish(req.prefix, matched + n_given,
+                                            [(k[:, n_given:n_prefix_new],
+                                              v[:, n_given:n_prefix_new])
+                                             for k, v in new_kv], tenant=req.namespace)
+            stats.store_s = time.perf_counter() - t0
 
-            # 5. store the new prefix KV
-            if use_store and self.policy.store_new:
-                t0 = time.perf_counter()
-                n_prefix_new = len(req.prefix) - matched
-                if n_prefix_new >= self.store.config.chunk_size:
-                    try:
-                        self.store.insert(req.prefix, matched,
-                                          [(k[:, :n_prefix_new], v[:, :n_prefix_new])
-                                           for k, v in new_kv],
-                                          namespace=req.namespace, exact=stats.exact)
-                    except StoreWriteFailed as exc:
-                        log.warning("prefix not stored: %s", exc)
-                    else:
-                        if use_shared and stats.exact:
-                            # Durable here first; then shared (write-through, in the
-                            # background): the chunks the pool did not give us. Only
-                            # exact KV is shared: the pool keeps no flag.
-                            self.shared.publish(req.prefix, matched + n_given,
-                                                [(k[:, n_given:n_prefix_new],
-                                                  v[:, n_given:n_prefix_new])
-                                                 for k, v in new_kv], tenant=req.namespace)
-                stats.store_s = time.perf_counter() - t0
-
-            # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
-            seq = Sequence(req, sampler, stats, [first], [logits[-1]],
-                           logits if want_query_logits else None,
-                           position=len(req.prefix) + len(req.query))
-            if going and req.max_new_tokens > 1:
-                if self.config.decode_over == "full" and match is not None and match.segments:
-                    kept = self._full_prefix_context(match.segments, new_kv, stats, n_pad)
-                t0 = time.perf_counter()
-                seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-                extra = req.max_new_tokens - 1
-                seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                          LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
-                          for layer in range(self.math.n_layers)]
-                seq.decode_s = time.perf_counter() - t0
-            else:
-                seq.done = True
-            return seq
-        finally:
-            if match is not None:
-                self.store.release(match)
+        # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
+        logits = job.logits
+        seq = Sequence(req, job.sampler, stats, [job.first], [logits[-1]],
+                       logits if job.want_query_logits else None,
+                       position=len(req.prefix) + len(req.query))
+        if job.going and req.max_new_tokens > 1:
+            if self.config.decode_over == "full" and job.match is not None and \
+                    job.match.segments:
+                kept = self._full_prefix_context(job.match.segments, new_kv, stats,
+                                                 req.n_pad)
+            t0 = time.perf_counter()
+            seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
+            extra = req.max_new_tokens - 1
+            seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
+                      LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
+                      for layer in range(self.math.n_layers)]
+            seq.decode_s = time.perf_counter() - t0
+        else:
+            seq.done = True
+        return seq
 
     # -- plan -------------------------------------------------------------------------------
     def _choose_plan(self, segments_nodes, matched: int, n_new: int, stats) -> int:
@@ -407,94 +432,16 @@ class Engine:
     # -- prefill ----------------------------------------------------------------------------
     def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0,
                  front_ids=(), given=None):
-        """Run all layers over the new tokens; returns per-layer decode context, per-layer
-        (K, V) of positions matched.. (the given part, then the new tokens), the final
-        hidden states of the last `n_hidden` positions and the output weights that turn
-        them into logits.
+        """Run all layers over the new tokens of one request (batch_prefill.prefill_pass):
+        per-layer decode context, per-layer (K, V) of positions matched.. (the given part,
+        then the new tokens), the final hidden states of the last `n_hidden` positions and
+        the output weights that turn them into logits.
 
         `front_ids`: the first prefix tokens, recomputed with the new ones instead of
         loaded (the "both" plan): they attend to each other only. `given`: KV of the
         prefix tokens right after the matched ones, from the shared pool (attended in full)."""
-        layers = self.model.layers
-        front = len(front_ids)
-        start = matched + (given.n_tokens if given is not None else 0)
-        total = start + len(new_ids)
-        positions = torch.arange(start, total, device=self.device)
-        if front:
-            positions = torch.cat([torch.arange(front, device=self.device), positions])
-        positions = positions[None]
-        ahead = ReadAhead(self.store, self.policy, self.math.n_layers, segments_nodes, stats,
-                          front=front)
-        ahead.start(0)
-        if given is not None:
-            given.start(0)
-        kept, new_kv = [], []
-        try:
-            hidden = self._embed(new_ids, total, stats)
-            if front:
-                head = self._embed(list(front_ids), front, stats)
-                hidden.val = TorchTensor.create_from_torch(
-                    torch.cat([head.val.data, hidden.val.data], dim=1), self.compute)
-            rope = self.math.rope(positions, hidden.val.data.dtype)
-            for layer in range(self.math.n_layers):
-                # The next layer's probe keys, and the chunks it is expected to load, are
-                # read while this layer computes.
-                ahead.start(layer + 1)
-                if given is not None:
-                    given.start(layer + 1)
-                kept_kv, kv = self._layer(layer, hidden, positions, rope, segments_nodes,
-                                          ahead, stats, n_pad, front, given)
-                kept.append(kept_kv)
-                new_kv.append(kv)
-        finally:
-            ahead.close()
-            if given is not None:
-                given.close()
-        out_w = self._weights(len(layers) - 1, stats)
-        stats.layers = self.math.n_layers
-        return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
-
-    def _layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats, n_pad,
-               front=0, given=None):
-        """One transformer layer over the new tokens: project, plan, load, attend, MLP.
-        Returns this layer's decode context [K, V, mask] and the (K, V) of positions
-        matched.. (given, then new)."""
-        weights = self._weights(1 + 2 * layer, stats)
-        t0 = time.perf_counter()
-        x = hidden.val.data
-        q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-        stats.compute_s += time.perf_counter() - t0
-
-        # The policy plans for the new tokens only; the recomputed front needs no prefix.
-        prefix_k, prefix_v, prefix_mask = self._prefix_kv(
-            layer, segments_nodes, q[:, :, front:], k_new[:, :, front:], ahead, stats, n_pad,
-            front)
-        given_kv = ()
-        if given is not None:
-            t0 = time.perf_counter()
-            given_kv = given.kv(layer, self.device, self.dtype)
-            stats.load_s += time.perf_counter() - t0
-            prefix_k, prefix_v = [*prefix_k, given_kv[0]], [*prefix_v, given_kv[1]]
-            prefix_mask = torch.cat([prefix_mask, torch.ones(
-                self.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool,
-                device=self.device)], dim=1)
-        t0 = time.perf_counter()
-        # One pass joins the loaded pieces and converts them to the compute dtype.
-        keys = torch.cat([*prefix_k, k_new[0]], dim=1)
-        values = torch.cat([*prefix_v, v_new[0]], dim=1)
-        s = k_new.shape[2]
-        new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
-        mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-        attn = self._attend(q, keys, values, mask, causal_tail=s, front=front)
-        hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                   self.compute)
-        stats.compute_s += time.perf_counter() - t0
-        self._mlp(2 + 2 * layer, hidden, stats)
-        k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
-        if given_kv:
-            k_mine = torch.cat([given_kv[0].to(k_mine.dtype), k_mine], dim=1)
-            v_mine = torch.cat([given_kv[1].to(v_mine.dtype), v_mine], dim=1)
-        return [keys, values, mask], (k_mine, v_mine)
+        return prefill_pass(self, [PassInput(new_ids, matched, segments_nodes, stats, n_hidden,
+                                             n_pad, front_ids, given)])[0]
 
     def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad, front=0):
         """The policy's choice of this layer's stored prefix KV, loaded: K and V as lists

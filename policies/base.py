@@ -208,6 +208,9 @@ class ServingPolicy:
     # Every prefill attends to the whole prefix it was given (nothing selected): such a
     # policy matches only stored KV that was computed exactly, and its own is exact.
     exact_reads = False
+    # plan_layer carries state from one layer of a request to the next: a prefill pass
+    # then serves one request at a time (its layers never interleave with another's).
+    keeps_layer_state = False
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config
