@@ -22,6 +22,7 @@ import torch
 from flexgen.pytorch_backend import TorchTensor
 
 from .errors import UserError
+from .request import RequestStats
 from .store.readahead import ReadAhead
 
 log = logging.getLogger("impress_flexgen.batch_prefill")
@@ -82,16 +83,16 @@ class PrefillJob:
 class _Lane:
     """One request's part of a pass: its tokens' slice, positions, read-ahead and context."""
 
-    def __init__(self, e, inp: PassInput):
+    def __init__(self, r, inp: PassInput):
         self.inp = inp
         self.front = len(inp.front_ids)
         start = inp.matched + (inp.given.n_tokens if inp.given is not None else 0)
         self.total = start + len(inp.new_ids)
-        positions = torch.arange(start, self.total, device=e.device)
+        positions = torch.arange(start, self.total, device=r.device)
         if self.front:
-            positions = torch.cat([torch.arange(self.front, device=e.device), positions])
+            positions = torch.cat([torch.arange(self.front, device=r.device), positions])
         self.positions = positions[None]
-        self.ahead = ReadAhead(e.store, e.policy, e.math.n_layers, inp.segments_nodes,
+        self.ahead = ReadAhead(r.store, r.policy, r.math.n_layers, inp.segments_nodes,
                                inp.stats, front=self.front)
         self.ahead.start(0)
         if inp.given is not None:
@@ -111,107 +112,104 @@ def _shared_time(lanes, field: str, seconds: float) -> None:
         setattr(lane.inp.stats, field, getattr(lane.inp.stats, field) + seconds)
 
 
-def _weights(e, j: int, lanes):
-    from .request import RequestStats
-
+def _weights(r, j: int, lanes):
     probe = RequestStats()
-    out = e._weights(j, probe)
+    out = r.weights(j, probe)
     _shared_time(lanes, "weights_s", probe.weights_s)
     return out
 
 
-def prefill_pass(e, inputs: list[PassInput]) -> list[tuple]:
+def prefill_pass(r, inputs: list[PassInput]) -> list[tuple]:
     """Run all layers over every request's new tokens. Per request: its per-layer decode
     context, its per-layer (K, V) of positions matched.. (given, then new), the final hidden
-    states of its last `n_hidden` positions, and the output weights that make logits."""
+    states of its last `n_hidden` positions, and the output weights that make logits.
+    `r`: the engine's LayerRunner (its weights, embedding, MLP, attention, prefix KV)."""
     lanes = []
     try:
         for inp in inputs:
-            lanes.append(_Lane(e, inp))
+            lanes.append(_Lane(r, inp))
         parts = []
         for lane in lanes:
             inp = lane.inp
-            hidden = e._embed(inp.new_ids, lane.total, inp.stats)
+            hidden = r.embed(inp.new_ids, lane.total, inp.stats)
             if lane.front:
-                head = e._embed(list(inp.front_ids), lane.front, inp.stats)
+                head = r.embed(list(inp.front_ids), lane.front, inp.stats)
                 hidden.val = TorchTensor.create_from_torch(
-                    torch.cat([head.val.data, hidden.val.data], dim=1), e.compute)
+                    torch.cat([head.val.data, hidden.val.data], dim=1), r.compute)
             lane.lo = sum(p.shape[1] for p in parts)
             parts.append(hidden.val.data)
             lane.hi = lane.lo + hidden.val.data.shape[1]
         if len(parts) > 1:
-            hidden.val = TorchTensor.create_from_torch(torch.cat(parts, dim=1), e.compute)
+            hidden.val = TorchTensor.create_from_torch(torch.cat(parts, dim=1), r.compute)
         positions = lanes[0].positions if len(lanes) == 1 else \
             torch.cat([lane.positions for lane in lanes], dim=1)
-        rope = e.math.rope(positions, hidden.val.data.dtype)
-        for layer in range(e.math.n_layers):
+        rope = r.math.rope(positions, hidden.val.data.dtype)
+        for layer in range(r.math.n_layers):
             # The next layer's probe keys, and the chunks it is expected to load, are read
             # while this layer computes.
             for lane in lanes:
                 lane.ahead.start(layer + 1)
                 if lane.inp.given is not None:
                     lane.inp.given.start(layer + 1)
-            _layer(e, layer, hidden, positions, rope, lanes)
+            _layer(r, layer, hidden, positions, rope, lanes)
     finally:
         for lane in lanes:
             lane.close()
-    out_w = _weights(e, len(e.model.layers) - 1, lanes)
+    out_w = _weights(r, len(r.model.layers) - 1, lanes)
     data = hidden.val.data
     out = []
     for lane in lanes:
-        lane.inp.stats.layers = e.math.n_layers
+        lane.inp.stats.layers = r.math.n_layers
         out.append((lane.kept, lane.new_kv, data[0, lane.hi - lane.inp.n_hidden:lane.hi],
                     out_w))
     return out
 
 
-def _layer(e, layer, hidden, positions, rope, lanes) -> None:
+def _layer(r, layer, hidden, positions, rope, lanes) -> None:
     """One transformer layer over every request's new tokens: project (together), plan,
     load, attend (each its own), output projection and MLP (together)."""
-    weights = _weights(e, 1 + 2 * layer, lanes)
+    weights = _weights(r, 1 + 2 * layer, lanes)
     t0 = time.perf_counter()
     x = hidden.val.data
-    q, k_new, v_new = e.math.qkv(weights, x, positions, rope)
+    q, k_new, v_new = r.math.qkv(weights, x, positions, rope)
     _shared_time(lanes, "compute_s", time.perf_counter() - t0)
-    attn = [_context(e, layer, lane, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
+    attn = [_context(r, layer, lane, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
                      v_new[:, :, lane.lo:lane.hi]) for lane in lanes]
     t0 = time.perf_counter()
     attn = attn[0] if len(attn) == 1 else torch.cat(attn, dim=2)
-    hidden.val = TorchTensor.create_from_torch(e.math.out(weights, attn, x), e.compute)
+    hidden.val = TorchTensor.create_from_torch(r.math.out(weights, attn, x), r.compute)
     _shared_time(lanes, "compute_s", time.perf_counter() - t0)
-    from .request import RequestStats
-
     probe = RequestStats()
-    e._mlp(2 + 2 * layer, hidden, probe)
+    r.mlp(2 + 2 * layer, hidden, probe)
     _shared_time(lanes, "weights_s", probe.weights_s)
     _shared_time(lanes, "compute_s", probe.compute_s)
 
 
-def _context(e, layer, lane: _Lane, q, k_new, v_new) -> torch.Tensor:
+def _context(r, layer, lane: _Lane, q, k_new, v_new) -> torch.Tensor:
     """One request's attention at `layer`: its policy's choice of its stored prefix KV,
     loaded, then its new tokens over that plus themselves. Keeps its decode context and
     the (K, V) to store."""
     inp, front, stats = lane.inp, lane.front, lane.inp.stats
     # The policy plans for the new tokens only; the recomputed front needs no prefix.
-    prefix_k, prefix_v, prefix_mask = e._prefix_kv(
+    prefix_k, prefix_v, prefix_mask = r.prefix.layer_kv(
         layer, inp.segments_nodes, q[:, :, front:], k_new[:, :, front:], lane.ahead, stats,
         inp.n_pad, front)
     given_kv = ()
     if inp.given is not None:
         t0 = time.perf_counter()
-        given_kv = inp.given.kv(layer, e.device, e.dtype)
+        given_kv = inp.given.kv(layer, r.device, r.dtype)
         stats.load_s += time.perf_counter() - t0
         prefix_k, prefix_v = [*prefix_k, given_kv[0]], [*prefix_v, given_kv[1]]
         prefix_mask = torch.cat([prefix_mask, torch.ones(
-            e.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool, device=e.device)], dim=1)
+            r.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool, device=r.device)], dim=1)
     t0 = time.perf_counter()
     # One pass joins the loaded pieces and converts them to the compute dtype.
     keys = torch.cat([*prefix_k, k_new[0]], dim=1)
     values = torch.cat([*prefix_v, v_new[0]], dim=1)
     s = k_new.shape[2]
-    new_mask = (lane.positions[0] >= inp.n_pad)[None].expand(e.math.n_kv_head, s)
+    new_mask = (lane.positions[0] >= inp.n_pad)[None].expand(r.math.n_kv_head, s)
     mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-    attn = e._attend(q, keys, values, mask, causal_tail=s, front=front)
+    attn = r.attend(q, keys, values, mask, causal_tail=s, front=front)
     stats.compute_s += time.perf_counter() - t0
     k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
     if given_kv:
@@ -228,11 +226,13 @@ def keeps_layer_state(policy) -> bool:
     return bool(getattr(policy, "keeps_layer_state", False))
 
 
-def start_together(e, items: list[tuple]) -> list:
+def start_together(e, items: list[tuple], pass_tokens: int | None = None) -> list:
     """Prefill (request, query_logits) pairs together; per pair its Sequence, or the
     exception that ended it. A request that would match more of the store once another of
     them has stored its prefix (a new prefix they share) waits for a pass after that one's,
-    and then loads what the other computed, as when served one after the other. Any failure
+    and then loads what the other computed, as when served one after the other. A pass
+    takes requests while their new tokens total at most `pass_tokens` (one always; None:
+    no limit); the rest follow in passes of their own. Any failure
     inside a pass (corrupt stored KV, a chunk the shared pool lost, anything else) serves
     each of its requests alone instead, with the engine's own recovery; nothing was
     streamed yet, so nothing is sent twice."""
@@ -249,11 +249,11 @@ def start_together(e, items: list[tuple]) -> list:
             out[i] = exc
     with e._serving:
         while todo:
-            todo = _one_pass(e, items, todo, out)
+            todo = _one_pass(e, items, todo, out, pass_tokens)
     return out
 
 
-def _one_pass(e, items, todo, out) -> list:
+def _one_pass(e, items, todo, out, pass_tokens: int | None = None) -> list:
     """Open, prefill together, stream first tokens, store and set up decode; returns the
     requests left for a later pass."""
     jobs = []
@@ -263,9 +263,16 @@ def _one_pass(e, items, todo, out) -> list:
         except Exception as exc:  # noqa: BLE001 - this one alone, the others go on
             log.debug("opening a request for a shared prefill failed: %s", exc)
             out[i] = _alone(e, *items[i])
-    group, later = [], []
+    group, later, tokens = [], [], 0
     for entry in jobs:
-        (later if any(_would_gain(e, a[3], entry[3]) for a in group) else group).append(entry)
+        job = entry[3]
+        n = len(job.new_ids) + job.front
+        if group and (any(_would_gain(e, a[3], job) for a in group) or
+                      (pass_tokens is not None and tokens + n > pass_tokens)):
+            later.append(entry)
+        else:
+            group.append(entry)
+            tokens += n
     for *_, job in later:
         job.release(e)
     later = [(i, req, ql) for i, req, ql, _ in later]
@@ -275,7 +282,7 @@ def _one_pass(e, items, todo, out) -> list:
         out[i] = _alone(e, *items[i])
         return later
     try:
-        results = prefill_pass(e, [job.pass_input() for *_, job in group])
+        results = prefill_pass(e.layers, [job.pass_input() for *_, job in group])
     except Exception as exc:  # noqa: BLE001 - served alone below
         log.info("shared prefill failed (%s); serving its requests alone", exc)
         for *_, job in group:

@@ -11,7 +11,8 @@ while each request keeps everything a request served alone does (its radix match
 per-layer selection by its policy, tier and pool reads, pins, its own causal attention).
 The pass gives each its first token; they then join the decode batch. A request that
 would reuse a new prefix another admitted request is about to store waits for a second
-pass, after that one, and loads it. Then one decode step advances every running request
+pass, after that one, and loads it; so does one past the pass's token budget
+(SchedulerConfig.pass_tokens). Then one decode step advances every running request
 by one token, with the weights of each layer used once for the whole batch
 (batch_runner). A request leaves the batch when it is done: its last token, a stop token,
 or its on_token said stop (cancellation, deadline, stop string); the others go on
@@ -37,6 +38,7 @@ from .batch_prefill import start_together
 from .errors import UserError
 
 log = logging.getLogger("impress_flexgen.scheduler")
+PASS_TOKENS_CPU = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 8192     # tokens per step: decode tokens + prefilled prompts
     kv_budget_bytes: int | None = None  # decode contexts of running requests (None: half
     #                                     the compute device's free memory at start)
+    pass_tokens: int | None = None    # new tokens prefilled in one pass (None: by device)
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -94,6 +97,11 @@ class Scheduler:
         self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv_head * m.head_dim * elsize
         self.kv_budget = config.kv_budget_bytes if config.kv_budget_bytes is not None \
             else free_memory_bytes(engine.device) // 2
+        # Sharing a pass saves its fixed per-layer costs but makes every request in it
+        # wait for all of its tokens: on a CPU those costs equal the compute of some 80
+        # prompt tokens (smollm2-135m), so a pass is kept to a few short prompts there.
+        self.pass_tokens = config.pass_tokens if config.pass_tokens is not None else \
+            (PASS_TOKENS_CPU if engine.device.type == "cpu" else config.max_batch_tokens)
         self.last_batch = 0            # requests in the last decode step
         self.steps = 0
 
@@ -150,7 +158,8 @@ class Scheduler:
     def _prefill(self, works: list[Work]) -> None:
         """Prefill the admitted requests in one pass (batch_prefill); a request that failed
         is answered now, the others join the running batch."""
-        got = start_together(self.engine, [(w.request, w.query_logits) for w in works])
+        got = start_together(self.engine, [(w.request, w.query_logits) for w in works],
+                             self.pass_tokens)
         for work, seq in zip(works, got):
             if isinstance(seq, BaseException):
                 work.on_done(None, seq)

@@ -205,14 +205,19 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
     reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1) for n in (5, 19, 33)]
     alone = [engine.serve(r) for r in reqs]
     loads = []
-    real = engine._weights
-    monkeypatch.setattr(engine, "_weights", lambda j, st: loads.append(j) or real(j, st))
+    real = engine.layers.weights
+    monkeypatch.setattr(engine.layers, "weights", lambda j, st: loads.append(j) or real(j, st))
     together = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4))
     assert loads.count(1) == 1                 # the first attention layer's: once, not 3x
     assert loads.count(2) == 1                 # its MLP's
     for a, b in zip(alone, together):
         assert b.tokens == a.tokens
         assert float((a.step_logits[0] - b.step_logits[0]).abs().max()) < 1e-4
+    # A pass takes requests up to its token budget; the rest follow in passes of their own.
+    loads.clear()
+    split = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4, pass_tokens=30))
+    assert loads.count(1) == 2                 # 7 + 21 new tokens, then 35 alone
+    assert [r.tokens for r in split] == [r.tokens for r in together]
 
 
 def test_a_failed_pass_serves_its_requests_alone(tiny_runtimes, tmp_path, monkeypatch):

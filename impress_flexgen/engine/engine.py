@@ -32,37 +32,29 @@ import dataclasses
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from flexgen.pytorch_backend import TorchTensor
-from flexgen.utils import ValueHolder
 
-from policies import LayerContext, LayerPlan, Segment, ServingConfig, ServingPolicy
-from policies.base import chunks_holding, resolve_probe_heads, tokens_of_chunks
+from policies import ServingPolicy
 
-from .errors import UserError
-from .models.base import dense
-from .models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
-from .models.opt import opt_out, opt_qkv
-from .batch_prefill import PassInput, PrefillJob, prefill_pass
-from .batch_runner import BatchRunner
-from .runtime import Runtime
-from .sampling import Sampler
-from .sequence import LayerKV, Sequence
-from .store import (CHUNK_SIZE, CorruptNode, ModelShape, PrefixStore, StoreConfig,
-                    StoreWriteFailed, model_fingerprint)
-from .store.readahead import LayerLoader
-from .prefix_plan import ContextKV, PrefixPlanner
-from .request import Request, RequestStats, Response
-from .store.shared import SharedMiss, shared_pool
-from .tiers import ChunkCache, TierConfig
+from ..batch_prefill import PrefillJob, prefill_pass
+from ..batch_runner import BatchRunner
+from ..errors import UserError
+from ..prefix_plan import ContextKV, PrefixPlanner
+from ..request import Request, RequestStats, Response
+from ..runtime import Runtime
+from ..sampling import Sampler
+from ..sequence import LayerKV, Sequence
+from ..store import CorruptNode, PrefixStore, StoreWriteFailed
+from ..store.shared import SharedMiss, shared_pool
+from ..tiers import ChunkCache, TierConfig
+from .family import FamilyMath, probe_setup
+from .prefix_kv import PrefixKV
+from .runner import LayerRunner
 
 log = logging.getLogger("impress_flexgen.engine")
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,84 +67,6 @@ class TierSizes:
     remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
     remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
     remote_ttl: int | None = None  # seconds the pool keeps a chunk (None: until evicted)
-
-
-class FamilyMath:
-    """The per-family pieces of a transformer layer the engine computes itself."""
-
-    def __init__(self, spec):
-        c = spec.config
-        self.config = c
-        self.family = spec.family
-        if spec.family == "opt":
-            self.n_head, self.n_kv_head = c.n_head, c.n_head
-            self.head_dim = c.input_dim // c.n_head
-        else:
-            self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
-        self.n_layers = c.num_hidden_layers
-
-    def rope(self, positions: torch.Tensor, dtype) -> tuple | None:
-        """The rotary tables of `positions`, shared by every layer of a pass (None: OPT)."""
-        if self.family == "opt":
-            return None
-        return rope_cos_sin(positions, self.head_dim, self.config.rope_theta, dtype)
-
-    def qkv(self, weights, x, positions, rope=None):
-        if self.family == "opt":
-            return opt_qkv(self.config, weights, x)
-        return llama_qkv(self.config, weights, x, positions, rope)
-
-    def out(self, weights, attn, x):
-        if self.family == "opt":
-            return opt_out(self.config, weights, attn, x)
-        return llama_out(self.config, weights, attn, x)
-
-    def logits(self, weights, hidden: torch.Tensor) -> torch.Tensor:
-        """(s, h) last hidden states -> (s, vocab) float32 logits."""
-        if self.family == "opt":
-            w_ln, b_ln, w_token = weights
-            h = F.layer_norm(hidden, (hidden.shape[-1],), w_ln.data, b_ln.data)
-        else:
-            w_norm, w_token = weights
-            h = rms_norm(hidden, w_norm.data, self.config.rms_norm_eps)
-        return F.linear(h, w_token.data).float()
-
-
-def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
-    """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
-    the weights' content, the compute and KV dtypes, the chunk size and the layout."""
-    m = FamilyMath(spec)
-    digest = getattr(spec, "weights_digest", "")
-    fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
-        if digest else ""
-    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)
-
-
-def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(probe query heads, KV heads whose keys the store's probe copy holds)."""
-    m = FamilyMath(spec)
-    try:
-        heads = resolve_probe_heads(config.probe_heads, m.n_head, m.n_kv_head, config.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    group = m.n_head // m.n_kv_head
-    return tuple(heads), tuple(sorted({h // group for h in heads}))
-
-
-def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
-               policy: ServingPolicy, chunk_size: int = CHUNK_SIZE, probe_format: str = "int4",
-               disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
-               direct_io: bool = True, reorder_hot_fraction: float = 0.25,
-               reorder_by: str = "importance", read_limit_mb_s: float | None = None
-               ) -> PrefixStore:
-    """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
-    _, probe_kv = probe_setup(runtime.spec, config)
-    store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
-                            disk_capacity_bytes=disk_capacity_bytes,
-                            reorder_interval=reorder_interval if policy.reorder else 0,
-                            direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
-                            reorder_by=reorder_by, read_limit_mb_s=read_limit_mb_s)
-    return PrefixStore(directory, model_shape(runtime.spec, chunk_size), store_cfg)
 
 
 class Engine:
@@ -187,6 +101,10 @@ class Engine:
                 gpu_device=self.device)
         c = self.math
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
+        # The stored prefix KV a layer attends, and the prefill's loop over the layers.
+        self.prefix = PrefixKV(store, policy, c, self.probe_heads, self.probe_kv_heads,
+                               self.device, self.dtype, self.kv_bytes_per_token_layer)
+        self.layers = LayerRunner(runtime, c, self.prefix, self.device, self.dtype)
         self.planner = None      # the cost model's planner, when the plan is auto or both
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
@@ -200,7 +118,7 @@ class Engine:
         self.max_positions = runtime.spec.config.max_seq_len
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
             self.planner = PrefixPlanner(self)
-        self.runner = BatchRunner(self)
+        self.runner = BatchRunner(self)     # the decode steps of a batch
 
     def close(self) -> None:
         """Stop the shared pool's threads (the store and runtime are closed by their owner)."""
@@ -282,7 +200,7 @@ class Engine:
         job = self._open(req, want_query_logits, recovered, use_shared)
         try:
             # 2-4. prefill
-            kept, new_kv, tail, out_w = prefill_pass(self, [job.pass_input()])[0]
+            kept, new_kv, tail, out_w = prefill_pass(self.layers, [job.pass_input()])[0]
             self._first_token(job, tail, out_w)
             return self._to_decode(job, kept, new_kv)
         finally:
@@ -378,8 +296,8 @@ class Engine:
         if job.going and req.max_new_tokens > 1:
             if self.config.decode_over == "full" and job.match is not None and \
                     job.match.segments:
-                kept = self._full_prefix_context(job.match.segments, new_kv, stats,
-                                                 req.n_pad)
+                kept = self.prefix.full_prefix_context(job.match.segments, new_kv, stats,
+                                                       req.n_pad)
             t0 = time.perf_counter()
             seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
             extra = req.max_new_tokens - 1
@@ -425,199 +343,19 @@ class Engine:
         given = ContextKV(ctx, self.math.n_kv_head, self.math.head_dim) if ctx else None
         with self._serving:
             t0 = time.perf_counter()
-            _, _, tail, out_w = self._prefill(ids, 0, [], stats, n_hidden=1, given=given)
+            _, _, tail, out_w = self.layers.prefill(ids, 0, [], stats, n_hidden=1, given=given)
             self.math.logits(out_w, tail[-1:]).cpu()
             return time.perf_counter() - t0
 
-    # -- prefill ----------------------------------------------------------------------------
-    def _prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0,
-                 front_ids=(), given=None):
-        """Run all layers over the new tokens of one request (batch_prefill.prefill_pass):
-        per-layer decode context, per-layer (K, V) of positions matched.. (the given part,
-        then the new tokens), the final hidden states of the last `n_hidden` positions and
-        the output weights that turn them into logits.
-
-        `front_ids`: the first prefix tokens, recomputed with the new ones instead of
-        loaded (the "both" plan): they attend to each other only. `given`: KV of the
-        prefix tokens right after the matched ones, from the shared pool (attended in full)."""
-        return prefill_pass(self, [PassInput(new_ids, matched, segments_nodes, stats, n_hidden,
-                                             n_pad, front_ids, given)])[0]
-
-    def _prefix_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad, front=0):
-        """The policy's choice of this layer's stored prefix KV, loaded: K and V as lists
-        of (KV, m_i, d) pieces on the compute device (to be concatenated) and a (KV, m)
-        mask of which tokens each KV head attends. Tokens before `front` are recomputed:
-        never loaded."""
-        if not segments_nodes:
-            return [], [], torch.zeros(self.math.n_kv_head, 0, dtype=torch.bool,
-                                       device=self.device)
-        loader = ahead.loader(layer)
-        segments = loader.segments
-        ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
-                           self.config, self.probe_heads, self.probe_kv_heads,
-                           loader.read_probe, loader.load, n_pad=n_pad)
-        t0 = time.perf_counter()
-        io_before = stats.probe_s + stats.load_s
-        plan = self.policy.plan_layer(ctx)
-        stats.select_s += time.perf_counter() - t0 - (stats.probe_s + stats.load_s - io_before)
-        stats.layers_fallback += int(plan.fallback)
-        if plan.jaccard is not None:
-            stats.jaccard.append(plan.jaccard)
-        return self._gather(plan, segments, loader, ahead, stats, n_pad, front)
-
-    def _gather(self, plan: LayerPlan, segments, loader: LayerLoader, ahead, stats, n_pad,
-                front=0):
-        firsts = [max(0, front - seg.start) for seg in segments]
-        chosen = [chunks_holding(seg, np.intersect1d(plan.chunks_k[si], plan.chunks_v[si]),
-                                 firsts[si]) for si, seg in enumerate(segments)]
-        # Every segment's K and V reads go out together; while they are in flight the next
-        # layer's probe keys (read since this layer began) are decoded.
-        pending = loader.start_all([(si, {"k": ids, "v": ids})
-                                    for si, ids in enumerate(chosen) if len(ids)])
-        t0 = time.perf_counter()
-        ahead.decode_probe(loader.layer + 1)
-        stats.probe_s += time.perf_counter() - t0
-        loaded = loader.finish_all(pending)
-        ks, vs, masks = [], [], []
-        attended = 0
-        for si, seg in enumerate(segments):
-            ids = chosen[si]
-            if firsts[si] < seg.used and not getattr(seg.node, "exact", True):
-                stats.exact = False       # loaded KV that was itself computed sparsely
-            if len(ids) == 0:
-                if stats.exact and not self._covers(seg, firsts[si], n_pad, None, None):
-                    stats.exact = False
-                continue
-            rows, logical = tokens_of_chunks(seg, ids, firsts[si])
-            ks += self._rows(loaded[si]["k"], rows)
-            vs += self._rows(loaded[si]["v"], rows)
-            if plan.attend[si] is None:
-                mask = np.ones((self.math.n_kv_head, len(rows)), dtype=bool)
-            else:
-                mask = np.asarray(plan.attend[si])[:, logical]
-            if n_pad:
-                mask = mask & (seg.start + logical >= n_pad)[None]
-            if stats.exact and not self._covers(seg, firsts[si], n_pad, logical, mask):
-                stats.exact = False
-            masks.append(mask)
-            attended += int(mask.any(axis=0).sum())
-            if self.store is not None:
-                self.store.record_selection(
-                    seg.entry, None if plan.scores is None else plan.scores[si],
-                    None if plan.selected is None else plan.selected[si], ids)
-        stats.bytes_needed += attended * self.kv_bytes_per_token_layer
-        mask = np.concatenate(masks, axis=1) if masks else \
-            np.zeros((self.math.n_kv_head, 0), dtype=bool)
-        return ks, vs, torch.from_numpy(mask).to(self.device)
-
-    @staticmethod
-    def _covers(seg, first: int, n_pad: int, logical, mask) -> bool:
-        """Does every KV head attend every (unpadded) prefix token of `seg` from `first` on?
-        (Not: the new KV is approximate.)"""
-        if first >= seg.used:
-            return True
-        seen = np.zeros(seg.used, dtype=bool)
-        seen[:max(0, min(seg.used, n_pad - seg.start))] = True     # padding: never attended
-        if logical is not None:
-            seen[logical[mask.all(axis=0)]] = True
-        return bool(seen[first:].all())
-
-    def _rows(self, chunks: list[torch.Tensor], rows: np.ndarray) -> list[torch.Tensor]:
-        """Loaded chunks, concatenated, keep the rows holding prefix tokens: as pieces on
-        the compute device. On a CPU, chunks wholly inside the prefix stay separate: the
-        layer's one cat() joins and converts them."""
-        whole = len(rows) == sum(c.shape[1] for c in chunks)
-        if whole and self.device.type == "cpu" and all(c.device.type == "cpu" for c in chunks):
-            return chunks
-        joined = torch.cat(chunks, dim=1)
-        if not whole:
-            joined = joined[:, torch.from_numpy(rows).to(joined.device)]
-        return [joined.to(self.device, self.dtype)]
-
-    def _full_prefix_context(self, segments_nodes, new_kv, stats, n_pad):
-        """Decode over the whole prefix: reload every chunk (after time to first token)."""
-        kept = []
-        for layer, (k_new, v_new) in enumerate(new_kv):
-            segments = [Segment(n, u, self.store.entry(n, layer)) for n, u in segments_nodes]
-            ks, vs = [], []
-            for seg in segments:
-                ids = seg.all_chunks()
-                rows, _ = tokens_of_chunks(seg, ids)
-                for kind, out in (("k", ks), ("v", vs)):
-                    chunks, _ = self.store.load_chunks(seg.entry, kind, ids, seg.node)
-                    out.append(torch.cat(chunks, 1)[:, torch.from_numpy(rows)]
-                               .to(self.device, self.dtype))
-            keys = torch.cat(ks + [k_new], 1)
-            values = torch.cat(vs + [v_new], 1)
-            valid = torch.arange(keys.shape[1], device=self.device) >= n_pad
-            kept.append([keys, values, valid[None].expand(keys.shape[0], -1).clone()])
-        return kept
-
-    # -- layer pieces ---------------------------------------------------------------------
-    def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
-        """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
-        head may see; the last `causal_tail` keys are the new tokens themselves (causal).
-        The first `front` queries (a recomputed prefix front) see none of the keys before
-        the tail: those are prefix tokens after them."""
-        s, m = q.shape[2], keys.shape[1]
-        if front:
-            # The front over its own keys only (the first of the tail), the rest over all:
-            # masking the prefix out of the front's rows would still compute them.
-            lo = m - causal_tail
-            head = self._attend(q[:, :, :front], keys[:, lo:lo + front],
-                                values[:, lo:lo + front], mask[:, lo:lo + front], front)
-            rest = self._attend(q[:, :, front:], keys, values, mask, causal_tail - front)
-            return torch.cat([head, rest], dim=2)
-        group = self.math.n_head // self.math.n_kv_head
-        # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
-        # serves all heads, instead of a copy per head.
-        shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
-        rows = mask[:1] if shared else mask
-        allowed = rows[:, None, :].expand(-1, s, -1).clone()          # (KV or 1, s, m)
-        tail = torch.ones(s, causal_tail, dtype=torch.bool, device=self.device).tril(
-            diagonal=causal_tail - s)
-        allowed[:, :, m - causal_tail:] &= tail
-        # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
-        allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, self.device)
-        allowed = allowed[None] if shared else \
-            allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
-        work = torch.float32 if self.device.type == "cpu" else q.dtype
-        out = F.scaled_dot_product_attention(
-            q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
-            enable_gqa=group > 1)
-        return out.to(q.dtype)
-
+    # -- the batch runner's layer pieces (decode steps share them with prefill) ------
     def _weights(self, j: int, stats: RequestStats):
-        """Bring layer j's weights to the compute device (FlexGen's placement decides from
-        where) and return them as plain tensors."""
-        t0 = time.perf_counter()
-        layer = self.model.layers[j]
-        layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
-        self.model.env.disk.synchronize()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.weights_s += time.perf_counter() - t0
-        if j % 2 == 0:
-            return None  # embedding (0) and MLP (even) layers consume their buffer in forward()
-        return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
+        return self.layers.weights(j, stats)
 
-    def _embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self._weights(0, stats)
-        t0 = time.perf_counter()
-        hidden, mask = ValueHolder(), ValueHolder()
-        hidden.store(TorchTensor.create_from_torch(
-            torch.tensor([ids], dtype=torch.int64, device=self.device), self.compute))
-        mask.store(TorchTensor.create_from_torch(
-            torch.ones(1, total_len, dtype=torch.bool, device=self.device), self.compute))
-        self.model.layers[0].forward(hidden, None, self.model.weight_read_buf[0], mask, None, 0, 0)
-        stats.compute_s += time.perf_counter() - t0
-        return hidden
+    def _mlp(self, j: int, hidden, stats) -> None:
+        self.layers.mlp(j, hidden, stats)
 
-    def _mlp(self, j: int, hidden: ValueHolder, stats) -> None:
-        self._weights(j, stats)
-        t0 = time.perf_counter()
-        self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None, None, 0, 0)
-        stats.compute_s += time.perf_counter() - t0
+    def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
+        return self.layers.attend(q, keys, values, mask, causal_tail, front)
 
 
 class _Relay:
@@ -640,10 +378,3 @@ class _Relay:
         self.sent = self.at
         return self.on_token(token)
 
-
-def _diagonal(s: int, tail: int, device) -> torch.Tensor:
-    """(s, tail) bool: query i (of the last s tokens) against itself among the last `tail`."""
-    out = torch.zeros(s, tail, dtype=torch.bool, device=device)
-    idx = torch.arange(s, device=device)
-    out[idx, idx + tail - s] = True
-    return out
