@@ -74,7 +74,8 @@ def run_clients(service, texts: list[str], clients: int, max_tokens: int) -> dic
 
 
 def batching_rows(rt, model: str, root, client_counts, batch_size: int, per_client: int,
-                  max_tokens: int, chars: int, policy: str = "impress") -> list[dict]:
+                  max_tokens: int, chars: int, policy: str = "impress",
+                  kinds=("shared", "distinct")) -> list[dict]:
     """Rows {clients, max_batch_size, prefix, ...}: batched and max-batch-size 1 over the
     same requests, shared and distinct prefixes."""
     from impress_flexgen import scratch
@@ -82,7 +83,7 @@ def batching_rows(rt, model: str, root, client_counts, batch_size: int, per_clie
     from impress_flexgen.serving import RunConfig
 
     rows = []
-    for kind in ("shared", "distinct"):
+    for kind in kinds:
         for size in (batch_size, 1):
             with scratch.directory(root, "benchbatch") as stores:
                 config = ServiceConfig(model=model, run=RunConfig(policy, policy),

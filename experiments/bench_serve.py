@@ -154,6 +154,9 @@ def parse_args(argv):
     b = p.add_argument_group("batching")
     b.add_argument("--batching-clients", default="1,2,4,8,16",
                    help="concurrent client counts (1,2,4,8,16; --quick: 1,4; empty: skip)")
+    b.add_argument("--batching-prefixes", default="shared,distinct",
+                   help="prefix kinds: shared (one passage, then a question each) and/or "
+                        "distinct (a passage each) (shared,distinct)")
     b.add_argument("--max-batch-size", type=int_range(1), default=8, help="(8)")
     b.add_argument("--requests-per-client", type=int_range(1), default=3, help="(3)")
     b.add_argument("--batch-max-tokens", type=int_range(2), default=32,
@@ -173,6 +176,9 @@ def parse_args(argv):
         p.error(f"--batching-clients: comma-separated integers (got {args.batching_clients!r})")
     if any(n < 1 for n in args.client_counts):
         p.error("--batching-clients: every count must be at least 1")
+    args.prefix_kinds = [x for x in args.batching_prefixes.split(",") if x]
+    if not args.prefix_kinds or any(k not in ("shared", "distinct") for k in args.prefix_kinds):
+        p.error(f"--batching-prefixes: shared and/or distinct (got {args.batching_prefixes!r})")
     from policies import POLICY_NAMES
 
     args.policy_list = [x for x in args.policies.split(",") if x]
@@ -229,7 +235,8 @@ def main(argv=None) -> int:
 
             batching = batching_rows(rt, args.model, root, args.client_counts,
                                      args.max_batch_size, args.requests_per_client,
-                                     args.batch_max_tokens, args.batch_prompt_chars)
+                                     args.batch_max_tokens, args.batch_prompt_chars,
+                                     kinds=args.prefix_kinds)
     print_table(results)
     if batching:
         print_batching(batching)

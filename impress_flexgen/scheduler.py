@@ -5,13 +5,18 @@
     while sched.busy:
         sched.step()
 
-Each step first admits waiting requests: a request's prefill runs as its own step through
-the engine (its radix match, plan, per-layer selection by its policy, tier and pool reads,
-pins: everything a request served alone does), which gives its first token; it then joins
-the decode batch. Then one decode step advances every running request by one token, with
-the weights of each layer used once for the whole batch (batch_runner). A request leaves
-the batch when it is done: its last token, a stop token, or its on_token said stop
-(cancellation, deadline, stop string); the others go on undisturbed.
+Each step first admits waiting requests and prefills them together in one pass
+(batch_prefill): every layer's projections and MLP run once over all their new tokens,
+while each request keeps everything a request served alone does (its radix match, plan,
+per-layer selection by its policy, tier and pool reads, pins, its own causal attention).
+The pass gives each its first token; they then join the decode batch. A request that
+would reuse a new prefix another admitted request is about to store waits for a second
+pass, after that one, and loads it; so does one past the pass's token budget
+(SchedulerConfig.pass_tokens). Then one decode step advances every running request
+by one token, with the weights of each layer used once for the whole batch
+(batch_runner). A request leaves the batch when it is done: its last token, a stop token,
+or its on_token said stop (cancellation, deadline, stop string); the others go on
+undisturbed.
 
 Admission is bounded by the batch size, by a per-step token budget (decode tokens of the
 running requests plus the prompt tokens prefilled in that step; one request is always
@@ -29,9 +34,11 @@ from typing import Callable
 
 import torch
 
+from .batch_prefill import start_together
 from .errors import UserError
 
 log = logging.getLogger("impress_flexgen.scheduler")
+PASS_TOKENS_CPU = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +47,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 8192     # tokens per step: decode tokens + prefilled prompts
     kv_budget_bytes: int | None = None  # decode contexts of running requests (None: half
     #                                     the compute device's free memory at start)
+    pass_tokens: int | None = None    # new tokens prefilled in one pass (None: by device)
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -89,6 +97,11 @@ class Scheduler:
         self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv_head * m.head_dim * elsize
         self.kv_budget = config.kv_budget_bytes if config.kv_budget_bytes is not None \
             else free_memory_bytes(engine.device) // 2
+        # Sharing a pass saves its fixed per-layer costs but makes every request in it
+        # wait for all of its tokens: on a CPU those costs equal the compute of some 80
+        # prompt tokens (smollm2-135m), so a pass is kept to a few short prompts there.
+        self.pass_tokens = config.pass_tokens if config.pass_tokens is not None else \
+            (PASS_TOKENS_CPU if engine.device.type == "cpu" else config.max_batch_tokens)
         self.last_batch = 0            # requests in the last decode step
         self.steps = 0
 
@@ -112,20 +125,22 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit what fits (prefill each), then one decode step for all running requests."""
+        """Admit what fits (prefilled together in one pass), then one decode step for all
+        running requests."""
         budget = self.config.max_batch_tokens - len(self.running)
-        admitted = 0
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        admitted: list[Work] = []
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
             work = self.waiting[0]
-            fits = work.kv_bytes + self.kv_in_use() <= self.kv_budget
-            if self.running and not fits:
+            in_use = self.kv_in_use() + sum(w.kv_bytes for w in admitted)
+            if (self.running or admitted) and work.kv_bytes + in_use > self.kv_budget:
                 break            # waits for memory; a lone request is served as before
             if admitted and work.prompt_tokens > budget:
                 break            # the step's token budget is spent: the next step takes it
             self.waiting.popleft()
             budget -= work.prompt_tokens
-            admitted += 1
-            self._prefill(work)
+            admitted.append(work)
+        if admitted:
+            self._prefill(admitted)
         batch = [w for w in self.running if not w.seq.done]
         if batch:
             self.last_batch = len(batch)
@@ -140,13 +155,17 @@ class Scheduler:
         for w in [w for w in self.running if w.seq.done]:
             self._finish(w)
 
-    def _prefill(self, work: Work) -> None:
-        try:
-            work.seq = self.engine.start(work.request, work.query_logits)
-        except Exception as exc:  # noqa: BLE001 - this request failed; the others go on
-            work.on_done(None, exc)
-            return
-        self.running.append(work)
+    def _prefill(self, works: list[Work]) -> None:
+        """Prefill the admitted requests in one pass (batch_prefill); a request that failed
+        is answered now, the others join the running batch."""
+        got = start_together(self.engine, [(w.request, w.query_logits) for w in works],
+                             self.pass_tokens)
+        for work, seq in zip(works, got):
+            if isinstance(seq, BaseException):
+                work.on_done(None, seq)
+                continue
+            work.seq = seq
+            self.running.append(work)
 
     def _finish(self, work: Work) -> None:
         try:

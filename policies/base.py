@@ -215,6 +215,9 @@ class ServingPolicy:
     # rest of its budget on loaded chunks (False: it selects as if nothing were recomputed;
     # the engine then skips the chosen chunks holding front tokens only).
     keeps_front = False
+    # plan_layer carries state from one layer of a request to the next: a prefill pass
+    # then serves one request at a time (its layers never interleave with another's).
+    keeps_layer_state = False
 
     def __init__(self, config: ServingConfig = ServingConfig()):
         self.config = config

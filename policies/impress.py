@@ -37,6 +37,10 @@ class Impress(ServingPolicy):
         # previous layer's compute, at the price of the few that are not chosen again.
         return self.config.prefetch
 
+    @property
+    def keeps_layer_state(self) -> bool:
+        return self.config.probe_every > 1      # layers between probes reuse its scores
+
     def probes_layer(self, layer: int) -> bool:
         return layer % self.config.probe_every == 0
 

@@ -149,6 +149,7 @@ def _target_layers(ctx: LayerContext, fallback: int | None) -> int:
 
 
 class Replay(ServingPolicy):
+    keeps_layer_state = True      # counts requests by their first layer
     name = "replay"
     tier_policy = "score"
     reorder = True
@@ -197,6 +198,8 @@ class Replay(ServingPolicy):
 
 class Recorder(Impress):
     """impress, keeping per request and layer the logical prefix positions it selected."""
+
+    keeps_layer_state = True      # records by request, from its first layer on
 
     def __init__(self, config: ServingConfig = ServingConfig(), ablation: str = "all"):
         super().__init__(config, ablation)

@@ -2,7 +2,9 @@
 
 Eight concurrent mixed requests (stored, partly stored and new prefixes; one cancelled, one
 with a stop token, one ending at its deadline, one sampled with a seed) go through the
-scheduler together and one at a time through Engine.serve, on two stores in the same state.
+scheduler together (their prefills in one pass, decode steps batched) and one at a time
+through Engine.serve, on two stores in the same state. One of them reuses a new prefix that
+another of them stores: it waits for a second pass and loads it, as when served after it.
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ def check_equal(alone, batched):
                                      zip(alone[0], alone[1], batched[0], batched[1])]:
         assert not isinstance(b, Exception), b
         assert b.tokens == a.tokens
+        assert b.stats.matched_tokens == a.stats.matched_tokens
         assert b_seen == a_seen
         assert len(b.step_logits) == len(a.step_logits)
         for x, y in zip(a.step_logits, b.step_logits):
@@ -192,3 +195,44 @@ def test_service_batches_concurrent_jobs_as_served_alone(tiny_runtimes, tmp_path
                 metrics["impress_flexgen_batch_size_count"]      # some steps held several
     keep = [i for i in range(6) if i != 2]
     assert [answers[4][i] for i in keep] == [answers[1][i] for i in keep]
+
+
+def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
+    """Requests admitted together are prefilled in one pass: each layer's weights are
+    brought once for all of them, and every answer equals the same request alone."""
+    rt = tiny_runtimes["llama-tiny"]
+    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1) for n in (5, 19, 33)]
+    alone = [engine.serve(r) for r in reqs]
+    loads = []
+    real = engine.layers.weights
+    monkeypatch.setattr(engine.layers, "weights", lambda j, st: loads.append(j) or real(j, st))
+    together = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4))
+    assert loads.count(1) == 1                 # the first attention layer's: once, not 3x
+    assert loads.count(2) == 1                 # its MLP's
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens
+        assert float((a.step_logits[0] - b.step_logits[0]).abs().max()) < 1e-4
+    # A pass takes requests up to its token budget; the rest follow in passes of their own.
+    loads.clear()
+    split = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4, pass_tokens=30))
+    assert loads.count(1) == 2                 # 7 + 21 new tokens, then 35 alone
+    assert [r.tokens for r in split] == [r.tokens for r in together]
+
+
+def test_a_failed_pass_serves_its_requests_alone(tiny_runtimes, tmp_path, monkeypatch):
+    """Anything failing inside a shared pass (corrupt stored KV, a lost pool chunk, ...)
+    serves each of its requests alone, with the engine's own recovery: same answers."""
+    from impress_flexgen import batch_prefill
+
+    real = batch_prefill.prefill_pass
+
+    def fails_when_shared(e, inputs):
+        if len(inputs) > 1:
+            raise RuntimeError("a chunk failed its check")
+        return real(e, inputs)
+
+    alone, _ = serve_both(tiny_runtimes["llama-tiny"], tmp_path / "a", "full", 1.0)
+    monkeypatch.setattr(batch_prefill, "prefill_pass", fails_when_shared)
+    _, batched = serve_both(tiny_runtimes["llama-tiny"], tmp_path / "b", "full", 1.0)
+    check_equal(alone, batched)

@@ -39,6 +39,7 @@ import torch
 
 from policies import ServingPolicy
 
+from ..batch_prefill import PrefillJob, prefill_pass
 from ..batch_runner import BatchRunner
 from ..errors import UserError
 from ..planner.context import ContextKV
@@ -129,17 +130,7 @@ class Engine:
     def start(self, request: Request, query_logits: bool = False) -> Sequence:
         """The prefill step of a request (match, plan, load, compute, first token, store):
         a sequence for decode steps, `done` when the first token was also the last."""
-        if not request.query:
-            raise UserError("a request needs at least one query token")
-        if request.max_new_tokens < 1:
-            raise UserError("max_new_tokens must be at least 1")
-        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
-            raise UserError("n_pad must leave at least one real prefix token")
-        if request.forced is not None and request.max_new_tokens > 1 and \
-                len(request.forced) < request.max_new_tokens - 1:
-            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
-        if request.on_token is not None:
-            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
+        request = self._checked(request)
         use_shared = self.shared is not None
         for attempt in range(4):
             try:
@@ -158,6 +149,21 @@ class Engine:
                 self.shared_fallbacks += 1
                 use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
+
+    def _checked(self, request: Request) -> Request:
+        """The request, refused (UserError) if malformed; its on_token relayed across retries."""
+        if not request.query:
+            raise UserError("a request needs at least one query token")
+        if request.max_new_tokens < 1:
+            raise UserError("max_new_tokens must be at least 1")
+        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
+            raise UserError("n_pad must leave at least one real prefix token")
+        if request.forced is not None and request.max_new_tokens > 1 and \
+                len(request.forced) < request.max_new_tokens - 1:
+            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
+        if request.on_token is not None:
+            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
+        return request
 
     def step(self, seqs: list[Sequence]) -> None:
         """One decode step: the next token of every sequence (none of them done), with
@@ -184,23 +190,34 @@ class Engine:
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,
                use_shared: bool = False) -> Sequence:
+        job = self._open(req, want_query_logits, recovered, use_shared)
+        try:
+            # 2-4. prefill
+            kept, new_kv, tail, out_w = prefill_pass(self.layers, [job.pass_input()])[0]
+            self._first_token(job, tail, out_w)
+            return self._to_decode(job, kept, new_kv)
+        finally:
+            job.release(self)
+
+    def _open(self, req: Request, want_query_logits: bool, recovered: int,
+              use_shared: bool = False) -> PrefillJob:
+        """1. match, and the plan: what a prefill pass needs of the request (its matched
+        prefix pinned until the job is released)."""
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
                              bytes_read=dict.fromkeys(self.tier_names, 0))
-        n_pad = req.n_pad
-        t_start = time.perf_counter()
-        disk_before = self.store.reader.counters() if self.planner is not None else None
-        match = None
         use_store = self.store is not None and self.policy.reuse
+        job = PrefillJob(req, want_query_logits, stats, time.perf_counter(),
+                         self.store.reader.counters() if self.planner is not None else None,
+                         None, use_store, use_shared)
         try:
-            # 1. match
             if use_store:
                 # An exact reader never sees KV computed over a selection of a prefix.
-                match = self.store.match_prefix(req.prefix, namespace=req.namespace,
-                                                exact_only=self.policy.exact_reads)
-            segments_nodes = match.segments if match else []
+                job.match = self.store.match_prefix(req.prefix, namespace=req.namespace,
+                                                    exact_only=self.policy.exact_reads)
+            segments_nodes = job.match.segments if job.match else []
             matched = sum(u for _, u in segments_nodes)
             stats.matched_tokens = matched
-            stats.match_s = time.perf_counter() - t_start
+            stats.match_s = time.perf_counter() - job.t_start
             # The prefix tokens right after the matched ones may be in the shared pool.
             given = self.shared.open(req.prefix, matched, stats, tenant=req.namespace) \
                 if use_shared and use_store else None
@@ -213,44 +230,52 @@ class Engine:
             stats.computed_tokens = len(new_ids) + front
             if front >= matched:
                 segments_nodes = []      # nothing left to load
+        except BaseException:
+            job.release(self)
+            raise
+        job.segments_nodes, job.matched, job.given, job.n_given = \
+            segments_nodes, matched, given, n_given
+        job.new_ids, job.front = new_ids, front
+        return job
 
-            # 2-4. prefill
-            kept, new_kv, tail, out_w = self.layers.prefill(
-                new_ids, matched, segments_nodes, stats,
-                n_hidden=len(req.query) if want_query_logits else 1, n_pad=n_pad,
-                front_ids=req.prefix[:front], given=given)
-            with stats.timer("compute_s"):
-                logits = self.math.logits(out_w, tail[-1:]).cpu()
-            sampler = Sampler(req.sampling)
-            first = sampler.pick(logits[-1])
-            stats.ttft_s = time.perf_counter() - t_start
-            if disk_before is not None and matched:
-                self._learn(stats, disk_before, matched)
-            # The first token goes out now; storing the prefix (5.) follows either way.
-            going = first not in sampler.stop_token_ids and \
-                (req.on_token is None or req.on_token(first) is not False)
-            if want_query_logits and len(tail) > 1:   # for checks, after the first token
-                logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
+    def _first_token(self, job: PrefillJob, tail, out_w) -> None:
+        """4. the first token from the last hidden state; streamed now."""
+        req, stats = job.req, job.stats
+        with stats.timer("compute_s"):
+            logits = self.math.logits(out_w, tail[-1:]).cpu()
+        sampler = Sampler(req.sampling)
+        first = sampler.pick(logits[-1])
+        stats.ttft_s = time.perf_counter() - job.t_start
+        if job.disk_before is not None and job.matched and job.learn:
+            self._learn(stats, job.disk_before, job.matched)
+        # The first token goes out now; storing the prefix (5.) follows either way.
+        job.going = first not in sampler.stop_token_ids and \
+            (req.on_token is None or req.on_token(first) is not False)
+        if job.want_query_logits and len(tail) > 1:   # for checks, after the first token
+            logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
+        job.sampler, job.first, job.logits = sampler, first, logits
 
-            # 5. store the new prefix KV
-            if use_store and self.policy.store_new:
-                with stats.timer("store_s"):
-                    self._store_new(req, matched, n_given, new_kv, stats, use_shared)
+    def _to_decode(self, job: PrefillJob, kept, new_kv) -> Sequence:
+        """5. store the new prefix KV; 6. the request's decode context."""
+        req, stats = job.req, job.stats
+        if job.use_store and self.policy.store_new:
+            with stats.timer("store_s"):
+                self._store_new(req, job.matched, job.n_given, new_kv, stats, job.use_shared)
 
-            # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
-            seq = Sequence(req, sampler, stats, [first], [logits[-1]],
-                           logits if want_query_logits else None,
-                           position=len(req.prefix) + len(req.query))
-            if going and req.max_new_tokens > 1:
-                if self.config.decode_over == "full" and match is not None and match.segments:
-                    kept = self.prefix.full_prefix_context(match.segments, new_kv, stats, n_pad)
-                self._start_decode(seq, kept)
-            else:
-                seq.done = True
-            return seq
-        finally:
-            if match is not None:
-                self.store.release(match)
+        # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
+        logits = job.logits
+        seq = Sequence(req, job.sampler, stats, [job.first], [logits[-1]],
+                       logits if job.want_query_logits else None,
+                       position=len(req.prefix) + len(req.query))
+        if job.going and req.max_new_tokens > 1:
+            if self.config.decode_over == "full" and job.match is not None and \
+                    job.match.segments:
+                kept = self.prefix.full_prefix_context(job.match.segments, new_kv, stats,
+                                                       req.n_pad)
+            self._start_decode(seq, kept)
+        else:
+            seq.done = True
+        return seq
 
     def _store_new(self, req: Request, matched: int, n_given: int, new_kv, stats,
                    use_shared: bool) -> None:

@@ -1,6 +1,6 @@
-"""The layer loop of a prefill over FlexGen's weight buffers: each layer's weights placed
-by FlexGen's policy, the new tokens projected, the prefix KV the policy chose loaded and
-attended, the MLP; the next layer's reads scheduled while this one computes.
+"""The layer pieces of a prefill over FlexGen's weight buffers: each layer's weights placed
+by FlexGen's policy, the embedding, attention, the MLP. The layer loop itself, for one
+request or several together, is batch_prefill.prefill_pass.
 
     runner = LayerRunner(runtime, math, prefix, device, dtype)
     kept, new_kv, tail, out_w = runner.prefill(new_ids, matched, segments_nodes, stats, 1)
@@ -11,10 +11,10 @@ import torch
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
+from ..batch_prefill import PassInput, prefill_pass
 from ..models.base import dense
 from ..request import RequestStats
 from ..runtime import Runtime
-from .readahead import ReadAhead
 from .attention import attend
 from .family import FamilyMath
 from .prefix_kv import PrefixKV
@@ -31,91 +31,17 @@ class LayerRunner:
 
     def prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0,
                 front_ids=(), given=None):
-        """Run all layers over the new tokens; returns per-layer decode context, per-layer
-        (K, V) of positions matched.. (the given part, then the new tokens), the final
-        hidden states of the last `n_hidden` positions and the output weights that turn
-        them into logits.
+        """Run all layers over the new tokens of one request (batch_prefill.prefill_pass,
+        which runs several together); returns per-layer decode context, per-layer (K, V)
+        of positions matched.. (the given part, then the new tokens), the final hidden
+        states of the last `n_hidden` positions and the output weights that turn them into
+        logits.
 
         `front_ids`: the first prefix tokens, recomputed with the new ones instead of
         loaded (the "both" plan): they attend to each other only. `given`: KV of the
         prefix tokens right after the matched ones, from the shared pool (attended in full)."""
-        layers = self.model.layers
-        front = len(front_ids)
-        start = matched + (given.n_tokens if given is not None else 0)
-        total = start + len(new_ids)
-        positions = torch.arange(start, total, device=self.device)
-        if front:
-            positions = torch.cat([torch.arange(front, device=self.device), positions])
-        positions = positions[None]
-        ahead = ReadAhead(self.store, self.policy, self.math.n_layers, segments_nodes, stats,
-                          front=front)
-        ahead.start(0)
-        if given is not None:
-            given.start(0)
-        kept, new_kv = [], []
-        try:
-            hidden = self.embed(new_ids, total, stats)
-            if front:
-                head = self.embed(list(front_ids), front, stats)
-                hidden.val = TorchTensor.create_from_torch(
-                    torch.cat([head.val.data, hidden.val.data], dim=1), self.compute)
-            rope = self.math.rope(positions, hidden.val.data.dtype)
-            for layer in range(self.math.n_layers):
-                # The next layer's probe keys, and the chunks it is expected to load, are
-                # read while this layer computes.
-                ahead.start(layer + 1)
-                if given is not None:
-                    given.start(layer + 1)
-                kept_kv, kv = self.layer(layer, hidden, positions, rope, segments_nodes,
-                                         ahead, stats, n_pad, front, given)
-                kept.append(kept_kv)
-                new_kv.append(kv)
-        finally:
-            ahead.close()
-            if given is not None:
-                given.close()
-        out_w = self.weights(len(layers) - 1, stats)
-        stats.layers = self.math.n_layers
-        return kept, new_kv, hidden.val.data[0, -n_hidden:], out_w
-
-    def layer(self, layer, hidden, positions, rope, segments_nodes, ahead, stats, n_pad,
-              front=0, given=None):
-        """One transformer layer over the new tokens: project, plan, load, attend, MLP.
-        Returns this layer's decode context [K, V, mask] and the (K, V) of positions
-        matched.. (given, then new)."""
-        weights = self.weights(1 + 2 * layer, stats)
-        x = hidden.val.data
-        with stats.timer("compute_s"):
-            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-
-        # The policy plans for the new tokens only; the recomputed front needs no prefix.
-        prefix_k, prefix_v, prefix_mask = self.prefix.layer_kv(
-            layer, segments_nodes, q[:, :, front:], k_new[:, :, front:], ahead, stats, n_pad,
-            front)
-        given_kv = ()
-        if given is not None:
-            with stats.timer("load_s"):
-                given_kv = given.kv(layer, self.device, self.dtype)
-            prefix_k, prefix_v = [*prefix_k, given_kv[0]], [*prefix_v, given_kv[1]]
-            prefix_mask = torch.cat([prefix_mask, torch.ones(
-                self.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool,
-                device=self.device)], dim=1)
-        with stats.timer("compute_s"):
-            # One pass joins the loaded pieces and converts them to the compute dtype.
-            keys = torch.cat([*prefix_k, k_new[0]], dim=1)
-            values = torch.cat([*prefix_v, v_new[0]], dim=1)
-            s = k_new.shape[2]
-            new_mask = (positions[0] >= n_pad)[None].expand(self.math.n_kv_head, s)
-            mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-            attn = self.attend(q, keys, values, mask, causal_tail=s, front=front)
-            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                       self.compute)
-        self.mlp(2 + 2 * layer, hidden, stats)
-        k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
-        if given_kv:
-            k_mine = torch.cat([given_kv[0].to(k_mine.dtype), k_mine], dim=1)
-            v_mine = torch.cat([given_kv[1].to(v_mine.dtype), v_mine], dim=1)
-        return [keys, values, mask], (k_mine, v_mine)
+        return prefill_pass(self, [PassInput(new_ids, matched, segments_nodes, stats, n_hidden,
+                                             n_pad, front_ids, given)])[0]
 
     # -- layer pieces ---------------------------------------------------------------------
     def attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
