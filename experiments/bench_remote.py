@@ -47,8 +47,7 @@ from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serving import RunConfig, prepared
-from impress_flexgen.store.shared import chunk_hashes
-from impress_flexgen.tiers.remote import RemoteNamespace
+from impress_flexgen.tiers.remote import RemoteNamespace, chunk_hashes
 from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies import ServingConfig, make_policy
 
