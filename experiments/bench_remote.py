@@ -6,7 +6,8 @@ One natural-text prefix per length (default ~1k and ~4k tokens; --quick: 1k), se
 64-token queries on it, each served every way in one run, the ways interleaved query by
 query (so a shared machine's drift falls on all alike):
 
-  recompute     no store: prefix and query computed from scratch;
+  recompute     (--no-recompute leaves it out) no store: prefix and query computed from
+                scratch;
   local disk    the prefix in the local disk store, policy full (every stored chunk loaded),
                 cold reads (the store reads with O_DIRECT; `direct_io` in the output says
                 whether the file system allowed it), no GPU or CPU tier. This engine also
@@ -70,6 +71,8 @@ def parse_args(argv):
     p.add_argument("--retention", type=float, default=0.25, help="impress row's retention")
     p.add_argument("--no-impress", action="store_true", help="leave the impress row out")
     p.add_argument("--no-cluster", action="store_true", help="leave the cluster row out")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="leave the recompute row out (long prefixes on a busy machine)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (every row alike)")
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
     p.add_argument("--offload-dir", help="FlexGen's offload dir (default: the cache's)")
@@ -159,10 +162,12 @@ class Ways:
         self.cluster_url = cluster_url
         self.prefix = wl.prefixes[0]
         cs = args.chunk_size
-        recomp = make_policy("recomp", ServingConfig(retention=1.0))
-        self.recompute = Engine(rt, None, recomp, TierSizes())
-        for _, query in wl.warmup:       # as prepared() warms the others: no cold first call
-            self.recompute.serve(Request(self.prefix, query, 1))
+        self.recompute = None
+        if not args.no_recompute:
+            recomp = make_policy("recomp", ServingConfig(retention=1.0))
+            self.recompute = Engine(rt, None, recomp, TierSizes())
+            for _, query in wl.warmup:   # as prepared() warms the others: no cold first call
+                self.recompute.serve(Request(self.prefix, query, 1))
         self.full_run = RunConfig(DISK, "full", 1.0, chunk_size=cs)
         # The local disk engine is also the writer: serving the prefix first stored it and
         # wrote it through to the pool, so the pool holds the very bytes its disk holds.
@@ -190,8 +195,8 @@ class Ways:
                                   chunk_size=cs), TierSizes(), store_root=root))
 
     def names(self) -> list[str]:
-        return [RECOMPUTE, DISK, REDIS] + ([CLUSTER] if self.cluster_url else []) + \
-            ([IMPRESS] if self.impress else [])
+        return ([RECOMPUTE] if self.recompute else []) + [DISK, REDIS] + \
+            ([CLUSTER] if self.cluster_url else []) + ([IMPRESS] if self.impress else [])
 
     def serve(self, name: str, query: list[int]):
         req = Request(self.prefix, query, 1)
@@ -248,8 +253,8 @@ def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path,
 
 
 def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
-    base = seen[RECOMPUTE]
-    base_ttft = [r.stats.ttft_s for r in base]
+    base = seen.get(RECOMPUTE)
+    base_ttft = [r.stats.ttft_s for r in base] if base else None
     rows = []
     for name, resps in seen.items():
         ttft = [r.stats.ttft_s for r in resps]
@@ -259,9 +264,11 @@ def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
             "prefix_tokens": n_tokens, "way": name, "queries": len(resps),
             "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
             "ttft_s": ttft,
-            "ttft_vs_recompute": statistics.median(ttft) / statistics.median(base_ttft),
+            "ttft_vs_recompute": statistics.median(ttft) / statistics.median(base_ttft)
+            if base else None,
             # Paired by query: the median of each query's TTFT over recompute's on it.
-            "ttft_vs_recompute_paired": statistics.median(t / b for t, b in zip(ttft, base_ttft)),
+            "ttft_vs_recompute_paired": statistics.median(t / b for t, b in zip(ttft, base_ttft))
+            if base else None,
             "bytes_read_per_request": moved,
             "matched_tokens": statistics.fmean(r.stats.matched_tokens for r in resps),
             "shared_tokens": statistics.fmean(r.stats.shared_tokens for r in resps),
@@ -271,10 +278,10 @@ def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
                                            "load_s", "compute_s")},
             "first_tokens": [r.tokens[0] for r in resps],
             "first_token_equals_recompute": all(r.tokens[0] == b.tokens[0]
-                                                for r, b in zip(resps, base)),
+                                                for r, b in zip(resps, base)) if base else None,
             "max_logit_diff_vs_recompute": max(
                 float((r.step_logits[0] - b.step_logits[0]).abs().max())
-                for r, b in zip(resps, base)),
+                for r, b in zip(resps, base)) if base else None,
         }
         if name in (REDIS, CLUSTER) and DISK in seen:
             disk = seen[DISK]
@@ -312,6 +319,13 @@ def environment(args, rt: Runtime, server, root: Path) -> dict:
     }
 
 
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _fs_type(path: Path) -> str | None:
     """The file system type holding `path` (from /proc/mounts; None elsewhere)."""
     try:
@@ -324,18 +338,23 @@ def _fs_type(path: Path) -> str | None:
     return best[2] if best else None
 
 
+def base_known(row: dict) -> bool:
+    return row["ttft_vs_recompute"] is not None
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'prefix':>7} {'way':<14}{'TTFT med s':>11}{'/recomp':>9}{'/disk':>7}{'disk MB':>9}"
           f"{'remote MB':>10}{'pool tok':>9}  first token = recompute")
     for r in rows:
         mb = r["bytes_read_per_request"]
-        same = "yes" if r["first_token_equals_recompute"] else "NO"
+        same = {True: "yes", False: "NO", None: "-"}[r["first_token_equals_recompute"]]
         if "first_token_equals_local_disk" in r:
             same += f" (= local disk: {'yes' if r['first_token_equals_local_disk'] else 'NO'}," \
                     f" logits diff {r['max_logit_diff_vs_local_disk']:.1e})"
         vs_disk = f"{r['ttft_vs_local_disk']:>7.2f}" if "ttft_vs_local_disk" in r else " " * 7
+        vs_recomp = f"{r['ttft_vs_recompute']:>9.3f}" if base_known(r) else " " * 9
         print(f"{r['prefix_tokens']:>7} {r['way']:<14}{r['ttft_median_s']:>11.3f}"
-              f"{r['ttft_vs_recompute']:>9.3f}{vs_disk}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
+              f"{vs_recomp}{vs_disk}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
               f"{r['shared_tokens']:>9.0f}  {same}")
 
 
@@ -346,6 +365,7 @@ def main(argv=None) -> int:
     root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
     rows: list[dict] = []
     t0 = time.perf_counter()
+    load0 = _load()
     try:
         with redis_server(args.redis_server) as server, \
                 (contextlib.nullcontext() if args.no_cluster
@@ -357,6 +377,8 @@ def main(argv=None) -> int:
     finally:
         torch.set_num_threads(threads)
     env["wall_s"] = time.perf_counter() - t0
+    # Other work on the machine slows every row; the 1-minute load average says how busy it was.
+    env["load_average_start_end"] = [load0, _load()]
     print_table(rows)
     write_json(args.json, {"environment": env, "results": rows})
     return 0

@@ -141,11 +141,29 @@ class RedisTier(ChunkWriter):
             return [False] * len(hashes)
         self._timed(time.perf_counter() - t0)
         self._ok()
-        # Markers over a lost layer (evicted, deleted): the chunk is no longer whole.
-        broken = [h for h, f in zip(hashes, found) if f and f != n_layers + 1]
+        # Some keys but not all: a marker over a lost layer (evicted, deleted), or a chunk
+        # whose writer has not set its marker yet. Only the first is broken.
+        partial = [h for h, f in zip(hashes, found) if f and f != n_layers + 1]
+        broken = self._broken(partial) if partial else []
         if broken:
             self._unmark(broken)
         return [f == n_layers + 1 for f in found]
+
+    def _broken(self, hashes: list[bytes]) -> list[bytes]:
+        """Those of `hashes` marked complete yet missing a layer, asked again key by kind: a
+        writer sets the marker only after every layer, so a chunk without one is in flight."""
+        n_layers = self.namespace.n_layers
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(marker_key(h))
+                pipe.exists(*(layer_key(h, i) for i in range(n_layers)))
+            found = pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self._failed(exc, "check incomplete chunks")
+            return []
+        return [h for h, marked, layers in zip(hashes, found[::2], found[1::2])
+                if marked and layers < n_layers]
 
     def _unmark(self, hashes: Sequence[bytes]) -> None:
         """Delete the markers of chunks found missing a layer, counting those that had one."""
