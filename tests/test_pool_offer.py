@@ -10,9 +10,12 @@ import redis
 import torch
 
 from impress_flexgen.engine import Request
+from impress_flexgen.radix import PrefixMatch
 from impress_flexgen.tiers import pool_offer
+from impress_flexgen.tiers.pool import shared_pool
 from impress_flexgen.tiers.remote import chunk_hashes
 from tests.redis_server import RedisServer, require_redis_server
+from tests.test_pool_integrity import _Store
 from tests.test_shared_pool import PREFIX, QUERY, _engine, _local_kv, _reference
 
 
@@ -124,3 +127,35 @@ def test_publishing_a_stored_prefix_never_blocks_the_request(tiny_runtimes, tmp_
         release.set()
         engine.close()
         store.close()
+
+
+class _NothingExact(_Store):
+    """A store whose every prefix was computed over a selection: an exact-only match finds
+    nothing. Records what it is asked."""
+
+    def __init__(self):
+        super().__init__("")
+        self.asked = []
+
+    def match_prefix(self, tokens, namespace="", exact_only=False):
+        self.asked.append((len(tokens), namespace, exact_only))
+        return PrefixMatch([])
+
+    def release(self, match):
+        pass
+
+
+def test_only_exact_stored_kv_of_the_tenant_is_offered(server):
+    redis.Redis.from_url(server.url).flushdb()
+    store = _NothingExact()
+    pool = shared_pool(server.url, store, torch.float16)
+    try:
+        prefix = list(range(700, 712))
+        hashes = chunk_hashes(pool.namespace_for("t"), prefix)
+        assert pool.offers.offer(prefix, hashes[:2], "t")
+        assert not pool.offers.offer(prefix, hashes[:2], "t")     # known: not asked twice
+        assert pool.flush(10)
+        assert store.asked == [(8, "t", True)]
+        assert pool.tier.metrics()["chunks_written"] == 0
+    finally:
+        pool.close()

@@ -11,9 +11,10 @@ The pool is keyed by the content of the prompt (chained hashes of its chunks), n
 local radix tree, so any process serving the same model (and tenant) finds the same chunks.
 Only exactly computed KV is published: the namespace says so, and an exact reader asks for
 nothing else. A prefix stored here before the pool held it (stored before the pool was
-configured, or while it was down) is published when a request first loads it (pool_offer). A chunk the pool lost between the check and the fetch (evicted, damaged,
-forged, server gone) raises SharedMiss: the request is served again, the pool giving only
-what it still holds whole and taking back the rest, never with a hole in its prefix.
+configured, or while it was down) is published when a request first loads it (pool_offer). A
+chunk the pool lost between the check and the fetch (evicted, damaged, forged, server gone)
+raises SharedMiss: the request is served again, the pool giving only what it still holds whole
+and taking back the rest, never with a hole in its prefix.
 
 Per request, the pool is weighed against computing: when its measured latency and bandwidth
 predict loading its chunks slower than recomputing them, it is skipped (counted). While even

@@ -1,10 +1,11 @@
 """What the shared pool stores and how a value proves what it claims to be.
 
 Keys are named by content: chunk i's key is a chained hash over the prompt's token ids up to
-the end of chunk i (behind the hash of the first chunk of its slot group: see chunk_hashes), seeded with everything that fixes the KV bytes (model and its weights'
-fingerprint, shape, dtype, chunk size, LAYOUT_VERSION), the tenant (tenants never share an
-entry), that the KV was computed exactly (approximate KV lives under other keys, which an
-exact reader never asks for) and whether values are keyed with a secret.
+the end of chunk i (behind the hash of the first chunk of its slot group: see chunk_hashes),
+seeded with everything that fixes the KV bytes (model and its weights' fingerprint, shape,
+dtype, chunk size, LAYOUT_VERSION), the tenant (tenants never share an entry), that the KV was
+computed exactly (approximate KV lives under other keys, which an exact reader never asks for)
+and whether values are keyed with a secret.
 
 One value holds one chunk of one layer, K and V stacked as (2, kv_heads, C, head_dim), behind
 a header (magic, version, dtype, flags, shape, tag). The tag is computed over the namespace
