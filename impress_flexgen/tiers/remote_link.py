@@ -58,7 +58,7 @@ class PoolLink:
         self.shown_url = redact_url(url)   # what logs print: never a password
         # Keyed and plain values live under different keys: neither reads the other's.
         self.namespace = dataclasses.replace(namespace, keyed=secret is not None)
-        self.timeout_s = float(timeout_s)
+        self._timeout_s = float(timeout_s)
         self.retry_after_s = float(retry_after_s)
         self.cluster = is_cluster(url)
         self._pool = None
@@ -83,6 +83,18 @@ class PoolLink:
         self._down = False
         self._down_until = 0.0
         self._closed = False
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        """Changed after start: connections opened from now on use it."""
+        self._timeout_s = float(seconds)
+        if self._pool is not None:
+            self._pool.connection_kwargs.update(socket_timeout=self._timeout_s,
+                                                socket_connect_timeout=self._timeout_s)
 
     def _reachable(self) -> bool:
         """False while down and not yet due for a retry: answer without the network."""
