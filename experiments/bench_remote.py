@@ -6,7 +6,8 @@ One natural-text prefix per length (default ~1k and ~4k tokens; --quick: 1k), se
 64-token queries on it, each served every way in one run, the ways interleaved query by
 query (so a shared machine's drift falls on all alike):
 
-  recompute     no store: prefix and query computed from scratch;
+  recompute     (--no-recompute leaves it out) no store: prefix and query computed from
+                scratch;
   local disk    the prefix in the local disk store, policy full (every stored chunk loaded),
                 cold reads (the store reads with O_DIRECT; `direct_io` in the output says
                 whether the file system allowed it), no GPU or CPU tier. This engine also
@@ -46,9 +47,8 @@ from impress_flexgen.cli import ArgumentParser, run_main, write_json
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, prepared
-from impress_flexgen.store.shared import chunk_hashes
-from impress_flexgen.tiers.remote import RemoteNamespace
+from impress_flexgen.serving import RunConfig, prepared, start_engine
+from impress_flexgen.tiers.remote import RemoteNamespace, chunk_hashes
 from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies import ServingConfig, make_policy
 
@@ -61,16 +61,17 @@ def parse_args(argv):
     p = ArgumentParser(prog="python -m experiments.bench_remote",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--quick", action="store_true", help="one 1024-token prefix, 2 queries")
+    p.add_argument("--quick", action="store_true", help="one 1024-token prefix, 3 queries")
     p.add_argument("--prefix-tokens", help="comma-separated prefix lengths (default 1024,4096; "
                    "quick: 1024)")
-    p.add_argument("--queries", type=int, help="measured queries per prefix (default 3, "
-                   "quick: 2)")
+    p.add_argument("--queries", type=int, help="measured queries per prefix (default 3)")
     p.add_argument("--query-tokens", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.25, help="impress row's retention")
     p.add_argument("--no-impress", action="store_true", help="leave the impress row out")
     p.add_argument("--no-cluster", action="store_true", help="leave the cluster row out")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="leave the recompute row out (long prefixes on a busy machine)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (every row alike)")
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
     p.add_argument("--offload-dir", help="FlexGen's offload dir (default: the cache's)")
@@ -83,7 +84,7 @@ def parse_args(argv):
     except ValueError:
         p.error("--prefix-tokens: comma-separated whole numbers")
     if args.queries is None:
-        args.queries = 2 if args.quick else 3
+        args.queries = 3
     if not args.prefix_tokens or any(n < args.chunk_size for n in args.prefix_tokens):
         p.error(f"--prefix-tokens: each length must be at least one chunk ({args.chunk_size})")
     if min(args.queries, args.query_tokens, args.threads) < 1:
@@ -160,10 +161,12 @@ class Ways:
         self.cluster_url = cluster_url
         self.prefix = wl.prefixes[0]
         cs = args.chunk_size
-        recomp = make_policy("recomp", ServingConfig(retention=1.0))
-        self.recompute = Engine(rt, None, recomp, TierSizes())
-        for _, query in wl.warmup:       # as prepared() warms the others: no cold first call
-            self.recompute.serve(Request(self.prefix, query, 1))
+        self.recompute = None
+        if not args.no_recompute:
+            recomp = make_policy("recomp", ServingConfig(retention=1.0))
+            self.recompute = Engine(rt, None, recomp, TierSizes())
+            for _, query in wl.warmup:   # as prepared() warms the others: no cold first call
+                self.recompute.serve(Request(self.prefix, query, 1))
         self.full_run = RunConfig(DISK, "full", 1.0, chunk_size=cs)
         # The local disk engine is also the writer: serving the prefix first stored it and
         # wrote it through to the pool, so the pool holds the very bytes its disk holds.
@@ -191,8 +194,8 @@ class Ways:
                                   chunk_size=cs), TierSizes(), store_root=root))
 
     def names(self) -> list[str]:
-        return [RECOMPUTE, DISK, REDIS] + ([CLUSTER] if self.cluster_url else []) + \
-            ([IMPRESS] if self.impress else [])
+        return ([RECOMPUTE] if self.recompute else []) + [DISK, REDIS] + \
+            ([CLUSTER] if self.cluster_url else []) + ([IMPRESS] if self.impress else [])
 
     def serve(self, name: str, query: list[int]):
         req = Request(self.prefix, query, 1)
@@ -205,14 +208,23 @@ class Ways:
         return self._from_pool_only(req, self.cluster_url if name == CLUSTER else self.url)
 
     def _from_pool_only(self, req: Request, url: str):
-        """A fresh engine over an empty local store and the pool: every chunk from Redis."""
+        """A fresh engine over an empty local store and the pool: every chunk from Redis.
+        Started as a server starts it (its first command to the pool, which opens the
+        connection or maps a cluster's slots, before any request) and warmed, as the other
+        ways' engines are, by a request too short to store or share anything."""
         with scratch.directory(self.root, "reader") as work:
             cfg = self.full_run.serving()
             policy = make_policy("full", cfg)
             store = open_store(Path(work) / "store", self.rt, cfg, policy,
                                **self.full_run.store_options())
             engine = Engine(self.rt, store, policy, TierSizes(remote_url=url))
+            # This way measures reads from the pool: never skipped by the budget (on a
+            # busy machine one slow round trip can make a tiny model's compute look cheaper).
+            engine.shared.recompute_s = lambda n, ctx: float("inf")
             try:
+                start_engine(engine)
+                short = list(req.query[:self.args.chunk_size - 1])
+                engine.serve(Request(short, list(req.query), 1))
                 resp = engine.serve(req)
             finally:
                 engine.close()
@@ -249,8 +261,8 @@ def measure_prefix(rt: Runtime, n_tokens: int, args, url: str, root: Path,
 
 
 def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
-    base = seen[RECOMPUTE]
-    base_ttft = [r.stats.ttft_s for r in base]
+    base = seen.get(RECOMPUTE)
+    base_ttft = [r.stats.ttft_s for r in base] if base else None
     rows = []
     for name, resps in seen.items():
         ttft = [r.stats.ttft_s for r in resps]
@@ -260,9 +272,11 @@ def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
             "prefix_tokens": n_tokens, "way": name, "queries": len(resps),
             "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
             "ttft_s": ttft,
-            "ttft_vs_recompute": statistics.median(ttft) / statistics.median(base_ttft),
+            "ttft_vs_recompute": statistics.median(ttft) / statistics.median(base_ttft)
+            if base else None,
             # Paired by query: the median of each query's TTFT over recompute's on it.
-            "ttft_vs_recompute_paired": statistics.median(t / b for t, b in zip(ttft, base_ttft)),
+            "ttft_vs_recompute_paired": statistics.median(t / b for t, b in zip(ttft, base_ttft))
+            if base else None,
             "bytes_read_per_request": moved,
             "matched_tokens": statistics.fmean(r.stats.matched_tokens for r in resps),
             "shared_tokens": statistics.fmean(r.stats.shared_tokens for r in resps),
@@ -272,10 +286,10 @@ def summarize(n_tokens: int, seen: dict[str, list], extra: dict) -> list[dict]:
                                            "load_s", "compute_s")},
             "first_tokens": [r.tokens[0] for r in resps],
             "first_token_equals_recompute": all(r.tokens[0] == b.tokens[0]
-                                                for r, b in zip(resps, base)),
+                                                for r, b in zip(resps, base)) if base else None,
             "max_logit_diff_vs_recompute": max(
                 float((r.step_logits[0] - b.step_logits[0]).abs().max())
-                for r, b in zip(resps, base)),
+                for r, b in zip(resps, base)) if base else None,
         }
         if name in (REDIS, CLUSTER) and DISK in seen:
             disk = seen[DISK]
@@ -313,6 +327,13 @@ def environment(args, rt: Runtime, server, root: Path) -> dict:
     }
 
 
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def _fs_type(path: Path) -> str | None:
     """The file system type holding `path` (from /proc/mounts; None elsewhere)."""
     try:
@@ -325,18 +346,23 @@ def _fs_type(path: Path) -> str | None:
     return best[2] if best else None
 
 
+def base_known(row: dict) -> bool:
+    return row["ttft_vs_recompute"] is not None
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'prefix':>7} {'way':<14}{'TTFT med s':>11}{'/recomp':>9}{'/disk':>7}{'disk MB':>9}"
           f"{'remote MB':>10}{'pool tok':>9}  first token = recompute")
     for r in rows:
         mb = r["bytes_read_per_request"]
-        same = "yes" if r["first_token_equals_recompute"] else "NO"
+        same = {True: "yes", False: "NO", None: "-"}[r["first_token_equals_recompute"]]
         if "first_token_equals_local_disk" in r:
             same += f" (= local disk: {'yes' if r['first_token_equals_local_disk'] else 'NO'}," \
                     f" logits diff {r['max_logit_diff_vs_local_disk']:.1e})"
         vs_disk = f"{r['ttft_vs_local_disk']:>7.2f}" if "ttft_vs_local_disk" in r else " " * 7
+        vs_recomp = f"{r['ttft_vs_recompute']:>9.3f}" if base_known(r) else " " * 9
         print(f"{r['prefix_tokens']:>7} {r['way']:<14}{r['ttft_median_s']:>11.3f}"
-              f"{r['ttft_vs_recompute']:>9.3f}{vs_disk}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
+              f"{vs_recomp}{vs_disk}{mb['disk'] / 1e6:>9.2f}{mb['remote'] / 1e6:>10.2f}"
               f"{r['shared_tokens']:>9.0f}  {same}")
 
 
@@ -347,6 +373,7 @@ def main(argv=None) -> int:
     root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
     rows: list[dict] = []
     t0 = time.perf_counter()
+    load0 = _load()
     try:
         with redis_server(args.redis_server) as server, \
                 (contextlib.nullcontext() if args.no_cluster
@@ -358,6 +385,8 @@ def main(argv=None) -> int:
     finally:
         torch.set_num_threads(threads)
     env["wall_s"] = time.perf_counter() - t0
+    # Other work on the machine slows every row; the 1-minute load average says how busy it was.
+    env["load_average_start_end"] = [load0, _load()]
     print_table(rows)
     write_json(args.json, {"environment": env, "results": rows})
     return 0

@@ -78,6 +78,8 @@ class RedisCluster:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
     def start(self) -> Self:
+        if self._procs:     # started already (a second start would orphan these nodes)
+            return self
         for port in self.ports:
             self._start_node(port)
         deadline = time.monotonic() + self.start_timeout_s

@@ -13,8 +13,7 @@ ENTRY = "impress_flexgen.entrypoints"
 SHIMS = {f"{PACKAGE}.{m}" for m in ("run", "serve", "verify", "cli", "__main__")}
 MAX_LINES = 450
 # Files still over the limit, until they are split by concept: none may be added.
-STILL_LONG = {"impress_flexgen/placement.py",
-              "impress_flexgen/tiers/remote.py"}
+STILL_LONG: set[str] = set()
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -36,7 +35,14 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, dict[st
     for mod, path in files.items():
         base = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         edges: dict[str, int] = {}
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        # Imports only a type checker runs (`if TYPE_CHECKING:`) are not dependencies.
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test).endswith("TYPE_CHECKING")
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -2,6 +2,8 @@
 prefix through it bit for bit; a master killed mid-run costs misses, never wrong KV."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import redis
@@ -9,7 +11,9 @@ import torch
 
 from impress_flexgen.engine import Request
 from impress_flexgen.errors import UserError
-from impress_flexgen.tiers.remote import RedisTier, RemoteNamespace, chunk_hashes
+from impress_flexgen.tiers.remote import RedisTier, RemoteNamespace, chunk_hashes, layer_key, \
+    marker_key
+from impress_flexgen.tiers.remote_codec import SLOT_GROUP_TOKENS
 from impress_flexgen.tiers.remote_url import cluster_nodes, validate_url
 from tests.redis_cluster import RedisCluster, find_redis_cli
 from tests.redis_server import require_redis_server
@@ -38,16 +42,34 @@ def test_cluster_urls_are_checked():
             validate_url(bad)
 
 
+def test_a_slot_group_of_chunks_is_read_with_one_mget_per_layer():
+    # A layer's chunks of SLOT_GROUP_TOKENS consecutive tokens share one cluster slot (one
+    # MGET, not one a chunk); their markers too (a chunk is checked with one EXISTS).
+    from redis.crc import key_slot
+
+    group = SLOT_GROUP_TOKENS // NS.chunk_size
+    hs = chunk_hashes(NS, list(range(3 * SLOT_GROUP_TOKENS)))
+    for layer in range(NS.n_layers):
+        slots = [key_slot(layer_key(h, layer)) for h in hs]
+        assert [len(set(slots[g:g + group])) for g in range(0, len(hs), group)] == [1, 1, 1]
+        assert len(set(slots)) == 3
+        assert {key_slot(marker_key(h)) for h in hs[:group]} == {slots[0]}
+    # The same chunk hashes whatever follows a prefix.
+    assert chunk_hashes(NS, list(range(SLOT_GROUP_TOKENS + 8)))[:group + 2] == hs[:group + 2]
+
+
 def test_chunk_keys_spread_over_the_masters_and_read_back_bit_exact(cluster):
     cluster.flush()
-    tier = RedisTier(cluster.url, NS, timeout_s=2.0)
+    ns = dataclasses.replace(NS, chunk_size=64)
+    tier = RedisTier(cluster.url, ns, timeout_s=2.0)
     try:
-        hs = chunk_hashes(NS, list(range(4 * 24)))
+        n = 8 * SLOT_GROUP_TOKENS        # eight slot groups of 16 chunks
+        hs = chunk_hashes(ns, list(range(n)))
         g = torch.Generator().manual_seed(3)
-        kv = [(torch.randn(2, 96, 8, generator=g).half(), torch.randn(2, 96, 8, generator=g).half())
+        kv = [(torch.randn(2, n, 8, generator=g).half(), torch.randn(2, n, 8, generator=g).half())
               for _ in range(3)]
-        assert tier.publish(hs, 0, kv) == 24 and tier.flush(10)
-        assert tier.batch_exists_chunks(hs) == 24
+        assert tier.publish(hs, 0, kv) == len(hs) and tier.flush(30)
+        assert tier.batch_exists_chunks(hs) == len(hs)
         for layer in range(3):
             got = tier.wait(tier.submit_get([(h, layer) for h in hs], whole=True))
             assert torch.equal(torch.cat([c[0] for c in got], 1), kv[layer][0])

@@ -147,6 +147,26 @@ def test_a_chunk_missing_a_layer_is_not_held_and_its_marker_goes(server, raw):
         tier.close()
 
 
+def test_a_chunk_being_written_keeps_the_marker_its_writer_sets(server, raw, monkeypatch):
+    # Every layer there but no marker yet: a writer between its two round trips, not a
+    # broken chunk. Should the writer set the marker right after the check, it stays.
+    tier, hs = _published(server.url)
+    try:
+        raw.delete(marker_key(hs[1]))
+        timed = tier._timed
+
+        def writer_finishes_right_after_the_check(*args):
+            raw.set(marker_key(hs[1]), b"1")
+            return timed(*args)
+
+        monkeypatch.setattr(tier, "_timed", writer_finishes_right_after_the_check)
+        assert tier.batch_exists_chunks(hs) == 1
+        assert raw.exists(marker_key(hs[1])) and tier.metrics()["incomplete_chunks"] == 0
+        assert tier.batch_exists_chunks(hs) == 3
+    finally:
+        tier.close()
+
+
 def test_layers_expire_until_their_chunk_is_complete(server, raw, monkeypatch):
     tier = RedisTier(server.url, NS, timeout_s=2.0)
     try:

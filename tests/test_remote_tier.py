@@ -15,6 +15,7 @@ from redis_server import RedisServer, require_redis_server
 from impress_flexgen.errors import UserError
 from impress_flexgen.tiers import Tier, payload_crc
 from impress_flexgen.tiers.remote import (
+    DIGEST_SIZE,
     RedisTier,
     RemoteNamespace,
     chunk_hashes,
@@ -72,7 +73,7 @@ def test_missing_redis_server_fails_unless_skipping_is_asked(monkeypatch):
 def test_same_prefix_same_keys_and_partial_tail_has_none():
     toks = _tokens(1, 14)
     hs = chunk_hashes(NS, toks)
-    assert len(hs) == 3 and all(isinstance(h, bytes) and len(h) == 16 for h in hs)
+    assert len(hs) == 3 and all(isinstance(h, bytes) and len(h) == DIGEST_SIZE for h in hs)
     assert chunk_hashes(NS, list(toks)) == hs
     assert chunk_hashes(NS, torch.tensor(toks)) == hs
     # A longer prompt with the same prefix extends the chain, never changes it.

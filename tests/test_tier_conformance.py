@@ -33,7 +33,7 @@ from impress_flexgen.tiers import (
     TierSpec,
     payload_crc,
 )
-from impress_flexgen.tiers.remote import RedisTier, RemoteNamespace, layer_key
+from impress_flexgen.tiers.remote import DIGEST_SIZE, RedisTier, RemoteNamespace, layer_key
 from tests.redis_server import RedisServer, require_redis_server
 
 CHUNK_ELEMS = 256
@@ -203,7 +203,7 @@ def redis_tier(request, n_chunks: int) -> Subject:
     raw.config_set("maxmemory", base + capacity)
 
     def key(i: int) -> tuple:
-        return (hashlib.blake2b(b"%d" % i, digest_size=16).digest(), i % REDIS_NS.n_layers)
+        return (hashlib.blake2b(b"%d" % i, digest_size=DIGEST_SIZE).digest(), i % REDIS_NS.n_layers)
 
     def fill(i: int, t: torch.Tensor) -> bool:
         return tier.put(key(i), t, payload_crc(t))

@@ -1,10 +1,11 @@
 """What the shared pool stores and how a value proves what it claims to be.
 
 Keys are named by content: chunk i's key is a chained hash over the prompt's token ids up to
-the end of chunk i, seeded with everything that fixes the KV bytes (model and its weights'
-fingerprint, shape, dtype, chunk size, LAYOUT_VERSION), the tenant (tenants never share an
-entry), that the KV was computed exactly (approximate KV lives under other keys, which an
-exact reader never asks for) and whether values are keyed with a secret.
+the end of chunk i (behind the hash of the first chunk of its slot group: see chunk_hashes),
+seeded with everything that fixes the KV bytes (model and its weights' fingerprint, shape,
+dtype, chunk size, LAYOUT_VERSION), the tenant (tenants never share an entry), that the KV was
+computed exactly (approximate KV lives under other keys, which an exact reader never asks for)
+and whether values are keyed with a secret.
 
 One value holds one chunk of one layer, K and V stacked as (2, kv_heads, C, head_dim), behind
 a header (magic, version, dtype, flags, shape, tag). The tag is computed over the namespace
@@ -36,8 +37,13 @@ except ImportError:  # pragma: no cover - disk_layout ships with this package
     _crc32_at = None
 
 # Bump when the value layout or the key derivation changes: old keys then simply miss.
-LAYOUT_VERSION = 2
-DIGEST_SIZE = 16
+LAYOUT_VERSION = 3
+CHAIN_SIZE = 16                 # one link of the chain of chunk digests
+DIGEST_SIZE = 2 * CHAIN_SIZE    # a chunk's hash: its own link, then its slot group's first
+# Tokens of a prompt whose chunks' keys share one cluster slot: a layer of a long prefix is
+# then read with one MGET per SLOT_GROUP_TOKENS (not one per chunk), and prefixes still
+# spread over a cluster's nodes group by group.
+SLOT_GROUP_TOKENS = 1024
 KEY_PREFIX = b"ifkv:"
 
 DTYPES: dict[str, tuple[int, torch.dtype]] = {
@@ -99,7 +105,7 @@ class RemoteNamespace:
                   self.dtype, self.chunk_size, self.fingerprint, self.tenant,
                   "exact" if self.exact else "approximate", "keyed" if self.keyed else "crc"]
         encoded = json.dumps(fields, separators=(",", ":")).encode()
-        return hashlib.blake2b(encoded, digest_size=DIGEST_SIZE).digest()
+        return hashlib.blake2b(encoded, digest_size=CHAIN_SIZE).digest()
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,10 +124,12 @@ def _layout(namespace: RemoteNamespace, keyed: bool) -> tuple[bytes, int]:
 
 
 def chunk_hashes(namespace: RemoteNamespace, tokens: Any) -> list[bytes]:
-    """One digest per whole chunk of `tokens`: h_{i+1} = blake2b(h_i || int32 tokens of chunk i).
+    """One hash per whole chunk of `tokens`: h_{i+1} = blake2b(h_i || int32 tokens of chunk i),
+    followed by the h of the first chunk of its slot group (chunks g*G .. g*G + G - 1, with
+    G = SLOT_GROUP_TOKENS // chunk_size), which names the cluster slot of its keys.
 
-    The digest of chunk i thus names its KV given every token before it. A partial tail chunk
-    has no digest (its KV is never shared).
+    The hash of chunk i thus names its KV given every token before it. A partial tail chunk
+    has no hash (its KV is never shared).
     """
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
@@ -136,20 +144,25 @@ def chunk_hashes(namespace: RemoteNamespace, tokens: Any) -> list[bytes]:
     raw = ids.astype("<i4", copy=False).tobytes()
     c = namespace.chunk_size
     step = 4 * c
+    group = max(1, SLOT_GROUP_TOKENS // c)
     out: list[bytes] = []
-    h = namespace.seed()
+    h = first = namespace.seed()
     for i in range(ids.size // c):
-        m = hashlib.blake2b(h, digest_size=DIGEST_SIZE)
+        m = hashlib.blake2b(h, digest_size=CHAIN_SIZE)
         m.update(raw[i * step:(i + 1) * step])
         h = m.digest()
-        out.append(h)
+        if i % group == 0:
+            first = h
+        out.append(h + first)
     return out
 
 
 def _tag(chunk_hash: bytes) -> bytes:
-    # The braces are a cluster hash tag: every key of one chunk maps to one slot, so a
-    # chunk's layers and marker are written and checked on one node in one round trip.
-    return KEY_PREFIX + b"{" + chunk_hash.hex().encode() + b"}"
+    # The braces are a cluster hash tag: every key of a slot group's chunks maps to one
+    # slot, so a chunk's layers and marker are written and checked on one node in one round
+    # trip, and a layer's chunks of one group are read with one MGET.
+    return KEY_PREFIX + b"{" + chunk_hash[CHAIN_SIZE:].hex().encode() + b"}" + \
+        chunk_hash[:CHAIN_SIZE].hex().encode()
 
 
 def layer_key(chunk_hash: bytes, layer: int) -> bytes:
