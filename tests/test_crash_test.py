@@ -58,7 +58,7 @@ def test_enospc_mid_write_leaves_no_file(quick):
 def test_every_fault_class_injects_and_is_accounted_for(quick):
     _, r = quick
     faults = r["faults"]
-    assert list(faults) == list(crash_test.PARTS)
+    assert set(faults) == set(crash_test.PARTS) - {"capacity"}   # capacity: its own totals
     assert set(faults) >= set(NEW_CLASSES) | {"kill", "corruption", "enospc"}
     assert r["iterations"] == sum(f["injected"] for f in faults.values())
     assert r["orphans"] == r["orphans_after_recovery"] == 0
