@@ -3,8 +3,10 @@
 Faults that fail system calls replace `os` in the modules through which the store makes
 them (STORE_IO); the durable write (traced by the writer, failed with ENOSPC) is replaced
 in the same modules. Once every store system call goes through disk_layout.io, STORE_IO is
-("disk_layout.io",). Also here: the hook that sees a node removed, the metadata database's
-connection and the tiers a store serves through.
+("disk_layout.io",): that holds while the store calls io's functions as attributes of the
+module (`io.write_durable(...)`, not a name imported from it). Also here: the hook that
+sees a node removed, the metadata database's connection and the tiers a store serves
+through.
 """
 from __future__ import annotations
 
