@@ -57,29 +57,48 @@ def test_enospc_mid_write_leaves_no_file(quick):
 
 def test_every_fault_class_injects_and_is_accounted_for(quick):
     _, r = quick
-    faults, pending = r["faults"], r["pending"]
+    faults = r["faults"]
+    assert set(faults) == set(crash_test.PARTS) - {"capacity"}   # capacity: its own totals
     assert set(faults) >= set(NEW_CLASSES) | {"kill", "corruption", "enospc"}
     assert r["iterations"] == sum(f["injected"] for f in faults.values())
     assert r["orphans"] == r["orphans_after_recovery"] == 0
     for cls, f in faults.items():
         assert f["injected"] > 0, cls
-        if cls in pending:
-            continue      # run and reported under not_yet until the store has the feature
         assert f["served_wrong"] == 0, (cls, r["details"]["failures"])
         assert f["lost"] == 0, (cls, r["details"]["failures"])
         assert f["detected"] + f["harmless"] == f["injected"], (cls, r["details"]["failures"])
-    assert r["served_wrong"] == sum(f["served_wrong"] for c, f in faults.items()
-                                    if c not in pending) == 0
+    assert r["served_wrong"] == sum(f["served_wrong"] for f in faults.values()) == 0
 
 
-def test_nothing_is_pending_once_the_store_has_the_features(quick):
-    _, r = quick
-    features = r["features"]
-    if all(features.values()):
-        assert r["pending"] == {}
-        assert r["not_yet"] == [], r["not_yet"]
-    else:
-        assert r["pending"], features
+def test_each_fault_class_is_a_registered_module_that_says_what_it_injects():
+    from experiments.crash_test import faults
+    from experiments.crash_test.registry import FAULTS
+
+    assert tuple(FAULTS) == crash_test.PARTS
+    for name, fault in FAULTS.items():
+        module = getattr(faults, name)
+        assert fault.run.__module__ == module.__name__
+        assert module.__doc__.startswith(f"{name}: "), name
+
+
+def test_faults_patch_the_store_io_modules_and_put_them_back():
+    import importlib
+    import os
+
+    from experiments.crash_test import patching
+
+    mods = [importlib.import_module(name) for name in patching.STORE_IO]
+    assert all(m.os is os for m in mods)
+    fake = object()
+    with patching.patched_os(fake):
+        assert all(m.os is fake for m in mods)
+    assert all(m.os is os for m in mods)
+    calls = []
+    with patching.patched("write_durable", lambda *a: calls.append(a)):
+        import disk_layout.io as disk_io
+        disk_io.write_durable("x", [], 0)
+    assert calls == [("x", [], 0)]
+    assert disk_io.write_durable is patching.REAL["write_durable"]
 
 
 def test_power_loss_restores_fsynced_state_and_tears_the_rest(quick):
@@ -108,9 +127,8 @@ def test_damaged_databases_are_refused_or_served_exact(quick):
     s = r["details"]["sqlite_damage"]
     assert s["iterations"] == r["faults"]["sqlite_damage"]["injected"] == 60
     assert len(s["by_mode"]) >= 6
-    if "sqlite_damage" not in r["pending"]:
-        assert s["errors"] == s["wrong_nodes"] == 0, r["details"]["failures"]
-        assert s["refused"] > 0 and s["opened"] > 0
+    assert s["errors"] == s["wrong_nodes"] == 0, r["details"]["failures"]
+    assert s["refused"] > 0 and s["opened"] > 0
 
 
 def test_io_errors_and_fsync_failures(quick):
@@ -119,12 +137,9 @@ def test_io_errors_and_fsync_failures(quick):
     assert set(io["by_kind"]) == {"eio", "directory", "fifo", "symlink"}
     assert io["eio_reads"] > 0
     assert fs["injected"] > 0
-    if "io_error" not in r["pending"]:
-        assert io["detected"] == io["injected"] and io["fifo_releases"] == 0, \
-            r["details"]["failures"]
-    if "fsync" not in r["pending"]:
-        assert fs["handled"] == fs["injected"] and fs["left_files"] == 0, \
-            r["details"]["failures"]
+    assert io["detected"] == io["injected"] and io["fifo_releases"] == 0, \
+        r["details"]["failures"]
+    assert fs["handled"] == fs["injected"] and fs["left_files"] == 0, r["details"]["failures"]
 
 
 def test_tiers_under_request_threads_serve_exact_chunks(quick):
@@ -133,12 +148,11 @@ def test_tiers_under_request_threads_serve_exact_chunks(quick):
     assert t["chunks"] > 0 and t["requests"] > 0
     assert t["gpu_bytes_served"] > 0 and t["cpu_bytes_served"] > 0
     assert t["splits"] > 0 and t["reorders"] > 0 and t["evictions"] > 0
-    if "tiers" not in r["pending"]:
-        assert t["wrong"] == t["errors"] == 0, r["details"]["failures"]
+    assert t["wrong"] == t["errors"] == 0, r["details"]["failures"]
 
 
 def test_bad_arguments_are_one_line_errors(capsys):
-    for argv in (["--only", "bogus"], ["--fuzz", "0"], ["--max-delay", "nan"]):
+    for argv in (["--only", "bogus"], ["--fuzz", "0"], ["--max-delay", "nan"], ["--strict"]):
         with pytest.raises(SystemExit) as exc:
             crash_test.main(argv)
         assert exc.value.code == 2

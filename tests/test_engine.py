@@ -6,7 +6,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,14 +13,11 @@ from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.texts import PROMPTS
 from policies import POLICY_NAMES, ServingConfig, make_policy
+from tests.helpers.ids import prompt_ids as _ids
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_POLICIES = [p for p in POLICY_NAMES if p != "impress"] + ["impress:itf", "impress:itf_ro",
                                                                 "impress:all"]
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
 
 def _serve_twice(rt, policy_name, prefix, query, store_dir, new_tokens=5, retention=1.0,

@@ -3,15 +3,11 @@ selection of a stored prefix is stored flagged, never read by an exact policy an
 shared; requests of different namespaces never share stored prefixes."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from policies import ServingConfig, make_policy
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
+from tests.helpers.ids import prompt_ids as _ids
 
 
 class _Pool:

@@ -11,6 +11,7 @@ from policies.decode_pages import PagedDecode, split_budget
 from policies.icecache import SemanticPages
 from policies.mips import MipsTransform
 from policies.page_index import IndexConfig, PageIndex
+from tests.helpers.ids import prompt_ids as _ids
 
 
 def test_mips_transform_turns_max_inner_product_into_nearest_neighbour():
@@ -96,10 +97,6 @@ def test_new_tokens_are_inserted_into_the_index():
         assert not pos & set(range(n + 16, n + 40))         # still in the window
     assert int(index.pool.valid.sum(-1).max()) <= 16
     assert state.close().steps == 40
-
-
-def _ids(seed, n):
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
 
 def _serve(rt, name, prefix, query, new_tokens, budget=256, forced=None, **decode):

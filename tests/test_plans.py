@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from policies import ServingConfig, make_policy
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
+from tests.helpers.ids import prompt_ids as _ids
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 expire; keys separate models, tenants and approximate KV; passwords never reach a log."""
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import zlib
@@ -24,23 +25,15 @@ from impress_flexgen.tiers.remote import (
     redact_url,
     validate_url,
 )
-from tests.redis_server import RedisServer, free_port, require_redis_server
+from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
+from tests.helpers.kv import seeded_kv
+from tests.redis_server import free_port
 
 NS = RemoteNamespace(model="llama-tiny", n_layers=3, n_kv_heads=2, head_dim=8,
                      dtype="float16", chunk_size=4)
 
 
-def _kv(n_tokens: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    shape = (NS.n_kv_heads, n_tokens, NS.head_dim)
-    return [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
-            for _ in range(NS.n_layers)]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer(require_redis_server()) as srv:
-        yield srv
+_kv = functools.partial(seeded_kv, NS)     # _kv(n_tokens, seed)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 learns from the requests it plans."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from impress_flexgen.engine import Engine, Request, RequestStats, TierSizes, open_store
@@ -10,12 +9,9 @@ from impress_flexgen.planner import split_compute
 from impress_flexgen.prefix_plan import _Learned
 from impress_flexgen.tiers.chain import DISK
 from policies import ServingConfig, make_policy
+from tests.helpers.ids import prompt_ids as _ids
 
 T = 16
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ from impress_flexgen.tiers.remote import (
     layer_key,
     marker_key,
 )
+from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
+from tests.helpers.kv import seeded_kv
 
 NS = RemoteNamespace(model="llama-tiny", n_layers=3, n_kv_heads=2, head_dim=8,
                      dtype="float16", chunk_size=4)
@@ -33,21 +35,12 @@ def _value(seed: int, ns: RemoteNamespace = NS) -> torch.Tensor:
 
 
 def _kv(n_tokens: int, seed: int, ns: RemoteNamespace = NS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (ns.n_kv_heads, n_tokens, ns.head_dim)
-    return [(torch.randn(shape, generator=g).to(ns.torch_dtype),
-             torch.randn(shape, generator=g).to(ns.torch_dtype)) for _ in range(ns.n_layers)]
+    return seeded_kv(ns, n_tokens, seed, dtype=ns.torch_dtype)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50000, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer(require_redis_server()) as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import httpx2
-import numpy as np
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,6 +29,7 @@ from impress_flexgen.store.config import CHUNK_SIZE
 from impress_flexgen.tiers.remote_url import redact_url
 from impress_flexgen.tiers import REMOTE, TierConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
+from tests.helpers.ids import prompt_ids as _ids
 from tests.redis_server import RedisServer, free_port, require_redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +49,6 @@ def runtime(tmp_path_factory):
 def private_cost_cache(tmp_path, monkeypatch):
     """The planner's calibration goes to this test's directory, not the user's cache."""
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
 
 
 def _metrics(url: str) -> dict:

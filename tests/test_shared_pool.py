@@ -10,13 +10,13 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import pytest
 import redis
 import torch
 
 from impress_flexgen.engine import Engine, Request, TierSizes, open_store
 from impress_flexgen.tiers.remote import chunk_hashes, encode_value, layer_key, marker_key
 from policies import ServingConfig, make_policy
+from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
 from tests.redis_server import RedisServer, SlowProxy, require_redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +46,6 @@ ROLE = textwrap.dedent("""
     torch.save({"tokens": resp.tokens, "stats": resp.stats.as_dict(), "kv": kv}, out)
     engine.close(); store.close(); rt.close()
 """)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer(require_redis_server()) as srv:
-        yield srv
 
 
 def _serve_in_process(tmp_path, name, url):

@@ -1,6 +1,7 @@
 """The prefix KV store: layout, radix tree, crash safety, reorder, eviction, corruption."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 from disk_layout.format import INT4_GROUP, decode_probe, encode_probe
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
+from tests.helpers.kv import seeded_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ModelShape("test", n_layers=2, n_kv_heads=2, head_dim=16)
@@ -27,14 +29,9 @@ def config(**kw):
     return StoreConfig(**base)
 
 
-def make_kv(n_tokens: int, seed: int, start: int = 0):
-    """Per layer (K, V) for positions start..start+n of a deterministic 'prefix'."""
-    out = []
-    for layer in range(SHAPE.n_layers):
-        g = torch.Generator().manual_seed(seed * 1000 + layer)
-        full = torch.randn(2, SHAPE.n_kv_heads, start + n_tokens, SHAPE.head_dim, generator=g)
-        out.append((full[0, :, start:].half(), full[1, :, start:].half()))
-    return out
+# make_kv(n_tokens, seed, start=0): per layer (K, V) of positions start..start+n of the
+# deterministic prefix named by `seed`.
+make_kv = functools.partial(seeded_kv, SHAPE)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -363,8 +360,7 @@ def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
     reading a run of neighbours costs fewer bytes than padding every chunk would."""
     shape = ModelShape("odd", n_layers=1, n_kv_heads=3, head_dim=64)   # 6 KiB per 16 tokens
     n = 20 * chunk_size
-    g = torch.Generator().manual_seed(5)
-    kv = [(torch.randn(3, n, 64, generator=g).half(), torch.randn(3, n, 64, generator=g).half())]
+    kv = seeded_kv(shape, n, 5)
     cfg = StoreConfig(chunk_size=chunk_size, probe_heads=(0,), probe_format="fp16",
                       reorder_interval=0)
     rng = np.random.default_rng(3)
@@ -444,10 +440,7 @@ def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
     # 3 heads x 16 tokens x 64 x fp16 = 6 KiB chunks are packed; 2 heads make 4 KiB pages.
     shape = ModelShape("kv", n_layers=1, n_kv_heads=3 if packed else 2, head_dim=64)
     n = 8 * C
-    g = torch.Generator().manual_seed(9)
-    kv = [(torch.randn(shape.n_kv_heads, n, shape.head_dim, generator=g).half(),
-           torch.randn(shape.n_kv_heads, n, shape.head_dim, generator=g).half())
-          for _ in range(shape.n_layers)]
+    kv = seeded_kv(shape, n, 9)
     with PrefixStore(tmp_path / "s", shape, config()) as store:
         (node,) = store.insert(np.arange(n), 0, kv)
         entry = store.entry(node, 0)

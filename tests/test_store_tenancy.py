@@ -4,15 +4,16 @@ full disk makes room instead of never storing again."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sqlite3
 import stat
 
 import numpy as np
 import pytest
-import torch
 
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig, StoreWriteFailed
+from tests.helpers.kv import seeded_kv
 
 SHAPE = ModelShape("tenancy", n_layers=2, n_kv_heads=2, head_dim=16, fingerprint="f" * 64)
 C = 16
@@ -23,10 +24,7 @@ def config(**kw):
                           "reorder_interval": 0, "direct_io": False, **kw})
 
 
-def make_kv(n: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(2, SHAPE.n_kv_heads, n, SHAPE.head_dim, generator=g).half())
-            for _ in range(SHAPE.n_layers)]
+make_kv = functools.partial(seeded_kv, SHAPE)     # make_kv(n, seed)
 
 
 def tokens(seed: int, n: int) -> np.ndarray:

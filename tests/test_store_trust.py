@@ -18,6 +18,7 @@ from impress_flexgen.errors import UserError
 from impress_flexgen.store import (CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull,
                                    StoreWriteFailed)
 from impress_flexgen.tiers import ChunkCache, TierConfig
+from tests.helpers.kv import token_kv
 
 SHAPE = ModelShape("trust", n_layers=2, n_kv_heads=2, head_dim=16)
 C = 16
@@ -30,16 +31,8 @@ def config(**kw):
 
 
 def make_kv(tokens, start: int = 0):
-    """KV that is a function of the token ids and positions, so any prefix's is known."""
-    out = []
-    t = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    pos = torch.arange(len(t))
-    for layer in range(SHAPE.n_layers):
-        base = (t * 7 + pos * 3 + layer)[None, :, None].float()
-        k = torch.sin(base + torch.arange(SHAPE.head_dim)[None, None] +
-                      torch.arange(SHAPE.n_kv_heads)[:, None, None] * 0.5)
-        out.append((k[:, start:].half(), (k * 2 + 1)[:, start:].half()))
-    return out
+    """KV that is a function of the token ids, so any prefix's is known."""
+    return token_kv(tokens, SHAPE, start)
 
 
 def stored(store, tokens):

@@ -34,6 +34,7 @@ from impress_flexgen.tiers import (
     payload_crc,
 )
 from impress_flexgen.tiers.remote import DIGEST_SIZE, RedisTier, RemoteNamespace, layer_key
+from tests.helpers.kv import random_bits, same_bits
 from tests.redis_server import RedisServer, require_redis_server
 
 CHUNK_ELEMS = 256
@@ -44,20 +45,8 @@ def chunk_key(i: int) -> tuple:
     return (1, 0, 0, "k", i)   # (node, layer, version, kind, chunk index)
 
 
-def random_bits(seed: int, shape) -> torch.Tensor:
-    """fp16 from random bit patterns, so NaN payloads, -0, inf and subnormals occur."""
-    g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, tuple(shape), dtype=torch.int32, generator=g)
-    return bits.to(torch.int16).view(torch.float16)
-
-
 def chunk(seed: int, elems: int = CHUNK_ELEMS) -> torch.Tensor:
     return random_bits(seed, (elems,))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a.detach().cpu().view(torch.int16), b.detach().cpu().view(torch.int16)))
 
 
 def flip_byte(t: torch.Tensor, at: int = 3) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from impress_flexgen.tiers import ChunkCache, TierConfig
+from tests.helpers.kv import random_bits, same_bits
 
 CHUNK_ELEMS = 256                 # fp16 elements per test chunk
 CHUNK_BYTES = CHUNK_ELEMS * 2
@@ -23,13 +24,7 @@ def key(node: int, idx: int, layer: int = 0, version: int = 0, kind: str = "k") 
 
 def chunk(seed: int, elems: int = CHUNK_ELEMS) -> torch.Tensor:
     """fp16 chunk from random bit patterns, so NaN payloads, -0, inf and subnormals occur."""
-    g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (elems,), dtype=torch.int32, generator=g)
-    return bits.to(torch.int16).view(torch.float16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.detach().cpu().view(torch.int16), b.detach().cpu().view(torch.int16))
+    return random_bits(seed, (elems,))
 
 
 def read(cache: ChunkCache, k: tuple, disk: dict, ratio: float) -> str | None:

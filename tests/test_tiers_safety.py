@@ -10,6 +10,7 @@ import torch
 
 from impress_flexgen.tiers import ChunkCache, TierConfig, payload_crc
 from impress_flexgen.tiers import base as tier_base
+from tests.helpers.kv import random_bits, same_bits
 
 CHUNK_ELEMS = 256                 # fp16 elements per test chunk
 CHUNK_BYTES = CHUNK_ELEMS * 2
@@ -21,18 +22,12 @@ def key(node: int, idx: int, layer: int = 0, version: int = 0, kind: str = "k") 
 
 
 def chunk(seed: int, elems: int = CHUNK_ELEMS) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (elems,), dtype=torch.int32, generator=g)
-    return bits.to(torch.int16).view(torch.float16)
+    return random_bits(seed, (elems,))
 
 
 def disk_crc(t: torch.Tensor) -> int:
     """What the store keeps in its metadata: zlib's CRC-32 of the payload bytes."""
     return zlib.crc32(t.contiguous().numpy().tobytes())
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))  # NaNs occur
 
 
 def flip(cache: ChunkCache, tier: str, k: tuple) -> None:

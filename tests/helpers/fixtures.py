@@ -1,0 +1,15 @@
+"""Fixtures several modules share; a module imports the one it uses under the name its
+tests take (`from tests.helpers.fixtures import redis_server as server`)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.redis_server import RedisServer, require_redis_server
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A redis-server of the module's own (skipped or failed as redis_server.py says when
+    there is none)."""
+    with RedisServer(require_redis_server()) as srv:
+        yield srv
