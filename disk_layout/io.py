@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -174,6 +175,72 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# The store's other file-system calls. Every system call of the store goes through this
+# module (the reader and write_durable above included), so a fault-injection harness that
+# replaces `os` here, or one of these functions, reaches all of them.
+def open_fd(path, flags: int, mode: int = 0o600) -> int:
+    return os.open(path, flags, mode)
+
+
+def close_fd(fd: int) -> None:
+    os.close(fd)
+
+
+def lock_exclusive(fd: int) -> None:
+    """Take an exclusive advisory lock on `fd` without waiting (BlockingIOError if held)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def unlink(path) -> None:
+    os.unlink(path)
+
+
+def unlink_missing_ok(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def link(src, dst) -> None:
+    """A hard link to `src` itself (a symbolic link is linked, never its target)."""
+    os.link(src, dst, follow_symlinks=False)
+
+
+def make_dir(path, mode: int, parents: bool = False) -> None:
+    """mkdir that accepts an existing directory (as Path.mkdir(exist_ok=True) does)."""
+    try:
+        if parents:
+            os.makedirs(path, mode)
+        else:
+            os.mkdir(path, mode)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
+def chmod(path, mode: int) -> None:
+    os.chmod(path, mode)
+
+
+def lstat(path) -> os.stat_result:
+    return os.lstat(path)
+
+
+def stat_path(path) -> os.stat_result:
+    """stat, following a symbolic link."""
+    return os.stat(path)
+
+
+def scandir(path) -> list[os.DirEntry]:
+    with os.scandir(path) as it:
+        return list(it)
+
+
+def statvfs(path) -> os.statvfs_result:
+    return os.statvfs(path)
 
 
 def coalesce(extents: list[tuple[int, int]],

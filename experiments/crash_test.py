@@ -95,10 +95,9 @@ import torch
 import disk_layout.io as disk_io
 import disk_layout.metadata as meta_mod
 import impress_flexgen.store as store_mod
-from impress_flexgen.store import eviction, inserts, opening, prefix_store, reorder
 
 # The store's modules that touch the file system (faults are injected into each).
-STORE_FILE_MODULES = (eviction, inserts, opening, prefix_store, reorder)
+STORE_FILE_MODULES = ()     # the store makes every system call through disk_layout.io
 from disk_layout.format import decode_probe, encode_probe
 from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
 from impress_flexgen.errors import UserError
@@ -497,14 +496,14 @@ def report_removals(store: PrefixStore, say) -> None:
     def record(node) -> str:
         return removal_record(store, node)
 
-    real = getattr(store, "_remove_subtree", None)
+    real = getattr(getattr(store, "removal", None), "remove_subtree", None)
     if real is not None:
         def remove_subtree(node, *a, **kw):
             say(f"REMOVE {record(node)}")
             out = real(node, *a, **kw)
             say("REMOVED")
             return out
-        store._remove_subtree = remove_subtree
+        store.removal.remove_subtree = remove_subtree
         return
     real_delete = store.meta.delete_node   # splits delete rows too: more is allowed to go
 
@@ -526,14 +525,14 @@ def writer(args) -> int:
         out.write(line + "\n")
         out.flush()
 
-    real_write = inserts.write_durable
+    real_write = disk_io.write_durable
 
     def traced_write(path, chunks, total_bytes):
         say("WRITE")
         real_write(path, chunks, total_bytes)
         say("WROTE")
 
-    inserts.write_durable = traced_write
+    disk_io.write_durable = traced_write
     rng = np.random.default_rng([args.seed, 104729, args.start_id])
     prefixes = Prefixes(args.seed)
     reorders = args.mode == "kill"
@@ -1617,13 +1616,13 @@ class _NoSpaceOS:
 
 
 class NoSpace:
-    """Patch impress_flexgen.store.inserts.write_durable: call number `fail_at` fails with ENOSPC,
+    """Patch disk_layout.io.write_durable: call number `fail_at` fails with ENOSPC,
     either before touching the disk ("before-write") or inside the real write path
     ("mid-write": temporary file created and sized, then pwrite fails)."""
 
     def __init__(self, fail_at: int, mode: str):
         self.fail_at, self.mode, self.calls, self.fired = fail_at, mode, 0, False
-        self.real = inserts.write_durable
+        self.real = disk_io.write_durable
 
     def __call__(self, path, chunks, total_bytes):
         n, self.calls = self.calls, self.calls + 1
@@ -1640,11 +1639,11 @@ class NoSpace:
             disk_io.os = real_os
 
     def __enter__(self):
-        inserts.write_durable = self
+        disk_io.write_durable = self
         return self
 
     def __exit__(self, *exc):
-        inserts.write_durable = self.real
+        disk_io.write_durable = self.real
         return False
 
 
@@ -2164,10 +2163,9 @@ def tiers_threads(base: Path, runs: int, requests: int, seed: int, report: Repor
         problems: list[str] = []
         stats_all = []
         with StoreWarnings():
-            store = PrefixStore(sdir, SHAPE, config)
-            store.cache = ChunkCache(TierConfig(gpu_bytes=24 * chunk_bytes,
-                                                cpu_bytes=48 * chunk_bytes),
-                                     gpu_device=torch.device("cpu"))
+            store = PrefixStore(sdir, SHAPE, config, memory=ChunkCache(
+                TierConfig(gpu_bytes=24 * chunk_bytes, cpu_bytes=48 * chunk_bytes),
+                gpu_device=torch.device("cpu")))
             try:
                 def worker(t: int, stats: dict) -> None:
                     rng = np.random.default_rng([seed, 71, r, t])

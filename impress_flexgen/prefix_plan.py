@@ -236,7 +236,7 @@ class PrefixPlanner:
         add_io, add_kept = np.zeros(n + 1), np.zeros(n + 1)
         probe_bytes = 0
         disk_bw = self.disk_bandwidth()
-        cache = store.cache
+        cache = store.tiers.cache
         tiered = cache is not None and any(t.capacity > 0 for t in cache.tiers)
         for node, used in segments_nodes:
             for layer in range(L):

@@ -140,10 +140,10 @@ def disk_tier(request, n_chunks: int) -> Subject:
     """The store in a tmp dir; key(i) is layer 0's first K chunk of prefix i (its own node)."""
     tmp = request.getfixturevalue("tmp_path")
     with PrefixStore(tmp / "measure", SHAPE, disk_config()) as probe:
-        node_bytes = SHAPE.n_layers * probe._layout(C).file_bytes
+        node_bytes = SHAPE.n_layers * probe.state.layout(C).file_bytes
     capacity = n_chunks * node_bytes
     store = PrefixStore(tmp / "store", SHAPE, disk_config(disk_capacity_bytes=capacity))
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     node_of: dict[int, int] = {}
 
     def key(i: int) -> tuple:
@@ -168,7 +168,7 @@ def disk_tier(request, n_chunks: int) -> Subject:
         store.reader.forget(entry.path)
 
     too_many = next(m for m in range(1, 10 ** 4)
-                    if SHAPE.n_layers * store._layout(m * C).file_bytes > capacity)
+                    if SHAPE.n_layers * store.state.layout(m * C).file_bytes > capacity)
     return Subject(tier, key, lambda seed, small: random_bits(seed, (2, C, 16)), fill,
                    store.disk_bytes, damage, capacity, 2 * C * 16 * 2,
                    oversize=lambda seed: random_bits(seed, (2, too_many * C, 16)),
@@ -393,7 +393,7 @@ def kv_chunk(kv, layer: int, kind: str, i: int) -> torch.Tensor:
 
 def test_disk_reads_each_layer_file_once_whatever_the_keys(tmp_path):
     store, node, kv = stored(tmp_path, 4)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     n = node.id
     asked = [(n, 1, 1, "v", 2), (n, 0, 1, "k", 3), (n, 0, 1, "v", 0), (n, 1, 1, "k", 1),
              (n, 0, 1, "k", np.int64(3)),            # the same chunk again, a numpy index
@@ -420,7 +420,7 @@ def test_disk_reads_each_layer_file_once_whatever_the_keys(tmp_path):
 def test_disk_a_failed_check_is_a_miss_and_quarantines_only_that_node(tmp_path):
     store, a, kv_a = stored(tmp_path, 3, seed=1)
     _, b, kv_b = stored(tmp_path, 2, seed=2, store=store)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     entry = a.layers[1]
     with open(entry.path, "r+b") as f:             # one bit of A's layer 1 V chunk 2
         f.seek(entry.layout.chunk_offset("v", 2) + 5)
@@ -447,7 +447,7 @@ def test_disk_invalidate_spares_held_prefixes_and_takes_what_lies_below(tmp_path
     longer = prefix_tokens(1, 3)
     kv = disk_kv(random_bits(9, (2, C, 16)), 9)
     (_, child) = store.insert(longer, 2 * C, kv)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     pkey, ckey = (parent.id, 0, 1, "k", 0), (child.id, 1, 1, "v", 0)
     held = store.match_prefix(longer)              # a request holds the child
     assert tier.invalidate([pkey]) == 0 and tier.contains(pkey) and tier.contains(ckey)
@@ -462,7 +462,7 @@ def test_disk_invalidate_spares_held_prefixes_and_takes_what_lies_below(tmp_path
 
 def test_disk_a_read_in_flight_keeps_its_files(tmp_path):
     store, node, kv = stored(tmp_path, 2)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     key = (node.id, 1, 1, "k", 1)
     pending = tier.submit_get([key])
     assert tier.invalidate([key]) == 0             # pinned by the read
@@ -477,7 +477,7 @@ def test_disk_a_read_in_flight_keeps_its_files(tmp_path):
 
 def test_disk_a_closed_store_answers_misses(tmp_path):
     store, node, _ = stored(tmp_path, 1)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     key = (node.id, 0, 1, "k", 0)
     assert tier.contains(key)
     store.close()
@@ -492,7 +492,7 @@ def test_disk_tier_concurrent_reads_and_invalidations_never_serve_wrong_bytes(tm
     for seed in range(1, 7):
         _, node, kvs[seed] = stored(tmp_path, 2, seed=seed, store=store)
         keys[seed] = (node.id, 1, 1, "v", 1)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     failures = []
 
     def reader():
