@@ -2,6 +2,11 @@
 way for each tier in TIERS; then what is particular to the disk tier, the memory tier's own
 ranking, and the chain over N of them.
 
+TIERS holds the tiers a load calls, as it calls them: the memory chain (`MemoryChain`, the
+first tier of a store's TierStack), the store's own `DiskTier` (`store.tiers.disk`, the
+last), and the remote tier (`RedisTier`); and the single memory tiers, alone and inside a
+chain.
+
 A factory takes the pytest request and a capacity in chunks and returns a `Subject`: the
 tier (CRC checks on), its i-th distinct chunk key, chunks of the shape it holds, and how
 to fill it, measure it and damage it behind its back. A write-once tier (`writable = False`:
@@ -23,6 +28,8 @@ import torch
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig, StoreFull
 from impress_flexgen.store.disk_tier import DiskTier
+from impress_flexgen.tiers.memory_chain import MemoryChain
+from impress_flexgen.tiers.stack import TierStack
 from impress_flexgen.tiers import (
     DISK,
     REMOTE,
@@ -110,6 +117,27 @@ def chained_tier(position: int) -> Callable:
         tier = ChunkCache(cfg, gpu_device=torch.device("cpu")).tiers[position]
         return _memory_subject(tier, capacity)
     return make
+
+
+def memory_chain(request, n_chunks: int) -> Subject:
+    """The GPU and CPU tiers as one tier, as a store's TierStack holds them (half the
+    capacity each); CRC checks on every hit."""
+    capacity = n_chunks * CHUNK_BYTES
+    cfg = TierConfig(gpu_bytes=capacity // 2, cpu_bytes=capacity - capacity // 2,
+                     verify_hits=True)
+    chain = TierStack(ChunkCache(cfg, gpu_device=torch.device("cpu"))).memory
+    cache = chain.cache
+
+    def damage(i: int) -> None:
+        held = next(t for t in cache.tiers if chunk_key(i) in t.chunks)
+        flip_byte(held.chunks[chunk_key(i)].tensor)
+
+    return Subject(
+        chain, chunk_key,
+        lambda seed, small: chunk(seed, CHUNK_ELEMS // 2 if small else CHUNK_ELEMS),
+        lambda i, t: chain.put(chunk_key(i), t, payload_crc(t)),
+        lambda: sum(t.used for t in cache.tiers), damage, capacity, CHUNK_BYTES,
+        oversize=lambda seed: chunk(seed, capacity // 2 + 1))
 
 
 SHAPE = ModelShape("conformance", n_layers=2, n_kv_heads=2, head_dim=16)
@@ -233,6 +261,7 @@ TIERS: dict[str, Callable[..., Subject]] = {
     "memory-cpu": memory_tier("cpu"),
     "chain-gpu-on-host": chained_tier(0),
     "chain-cpu": chained_tier(1),
+    "memory-chain": memory_chain,
     "disk": disk_tier,
     "redis": redis_tier,
 }
@@ -254,6 +283,33 @@ def make(request):
 def test_implements_the_protocol(make):
     s = make(4)
     assert isinstance(s.tier, Tier) and isinstance(s.tier.name, str) and s.tier.name
+
+
+def test_a_store_loads_through_the_tiers_under_test(tmp_path):
+    """The classes this suite checks are the ones a store's loads call, in order."""
+    cache = ChunkCache(TierConfig(cpu_bytes=1 << 20), gpu_device=torch.device("cpu"))
+    with PrefixStore(tmp_path / "s", SHAPE, disk_config(), memory=cache) as store:
+        memory, disk = store.tiers.tiers
+        assert type(memory) is MemoryChain and memory.cache is cache
+        assert type(disk) is DiskTier and store.tiers.disk is disk
+        store_, node, kv = stored(tmp_path, 2, store=store)
+        entry = store.entry(node, 0)
+        calls = []
+        for tier in (memory, disk):
+            for name in ("submit_get", "wait", "put"):
+                real = getattr(tier, name)
+                setattr(tier, name, lambda *a, _r=real, _n=f"{tier.name}.{name}", **k:
+                        calls.append(_n) or _r(*a, **k))
+        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        assert calls == ["memory.submit_get", "memory.submit_get", "disk.submit_get",
+                         "disk.wait", "memory.put", "memory.put"]
+        assert served["disk_chunks"] == 2 and served["disk"] > 0
+        for i, t in enumerate(chunks["k"]):
+            assert same_bits(t, kv_chunk(kv, 0, "k", i).contiguous())
+        calls.clear()
+        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        assert "disk.submit_get" not in calls and served["cpu"] == 2 * entry.layout.chunk_bytes
+        assert memory.metrics()["hits"] == 2
 
 
 def test_round_trip_is_bit_exact_and_owned(make):

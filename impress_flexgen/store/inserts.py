@@ -151,7 +151,8 @@ class Inserter:
             head.append((k[:, :at], v[:, :at]))
             tail.append((k[:, at:], v[:, at:]))
         head_layout, tail_layout = self.state.layout(at), self.state.layout(node.n_tokens - at)
-        return {"node": node, "at": at, "head": (head_layout, self.files.write_files(head_layout, head, names)),
+        return {"node": node, "at": at,
+                "head": (head_layout, self.files.write_files(head_layout, head, names)),
                 "tail": (tail_layout, self.files.write_files(tail_layout, tail, names))}
 
     def _commit_insert(self, last: RadixNode | None, split: dict | None, have: int,
@@ -190,10 +191,11 @@ class Inserter:
             parent = self._apply_split(split)
         node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time(),
                          exact=exact, namespace=ns)
-        node.layers = [LayerEntry(nid, layer, 1, str(self.state.data_dir / name), layout, None, crcs)
+        data_dir, c = self.state.data_dir, self.state.config.chunk_size
+        node.layers = [LayerEntry(nid, layer, 1, str(data_dir / name), layout, None, crcs)
                        for layer, (name, crcs) in enumerate(files)]
         for layer in range(len(files)):
-            self.state.stats[(nid, layer)] = LayerStats.fresh(len(tokens), self.state.config.chunk_size)
+            self.state.stats[(nid, layer)] = LayerStats.fresh(len(tokens), c)
         self.state.tree.attach(node)
         return node
 

@@ -116,9 +116,9 @@ class Reorderer:
 
     def _commit_layer(self, new: LayerEntry, name: str, stats: LayerStats) -> None:
         with self.state.meta.transaction():
-            self.state.meta.put_layer(LayerRow(new.node_id, new.layer, new.version, name, new.mapping,
-                                         new.crcs, stats.importance, stats.bitmaps,
-                                         stats.access, stats.ratio))
+            self.state.meta.put_layer(LayerRow(new.node_id, new.layer, new.version, name,
+                                               new.mapping, new.crcs, stats.importance,
+                                               stats.bitmaps, stats.access, stats.ratio))
 
     def _movable_range(self, node: RadixNode, n: int) -> tuple[int, int]:
         """Tokens [lo, hi) a reorder may move: all, or all but the sink chunk (of a node that
