@@ -124,7 +124,7 @@ def test_store_survives_restart_in_a_new_process(tmp_path):
     code = textwrap.dedent(f"""
         import numpy as np, torch, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from tests.test_store import SHAPE, config, stored_kv, make_kv, bits
+        from tests.test_prefix_store import SHAPE, config, stored_kv, make_kv, bits
         from impress_flexgen.store import PrefixStore
         tokens = np.arange({5 * C})
         with PrefixStore({str(tmp_path / 's')!r}, SHAPE, config()) as store:
