@@ -19,6 +19,12 @@ class KVLoad:
     counts: dict            # kind -> number of chunks asked, in asked order
     stack: StackLoad
 
+    @property
+    def read(self):
+        """The disk tier's read in flight; None when the memory tiers and the chunks read
+        ahead served everything."""
+        return self.stack.disk
+
 
 @dataclasses.dataclass
 class Prefetch:
