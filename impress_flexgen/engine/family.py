@@ -1,0 +1,82 @@
+"""The per-family math of a transformer layer the engine computes itself (OPT, Llama).
+
+    math = FamilyMath(runtime.spec)
+    q, k, v = math.qkv(weights, x, positions, math.rope(positions, x.dtype))
+    shape = model_shape(runtime.spec)           # what the store's KV of this model is
+    heads, kv_heads = probe_setup(runtime.spec, policy.config)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from policies import ServingConfig
+from policies.base import resolve_probe_heads
+
+from ..errors import UserError
+from ..store import CHUNK_SIZE, ModelShape, model_fingerprint
+from ..models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
+from ..models.opt import opt_out, opt_qkv
+
+
+class FamilyMath:
+    """The per-family pieces of a transformer layer the engine computes itself."""
+
+    def __init__(self, spec):
+        c = spec.config
+        self.config = c
+        self.family = spec.family
+        if spec.family == "opt":
+            self.n_head, self.n_kv_head = c.n_head, c.n_head
+            self.head_dim = c.input_dim // c.n_head
+        else:
+            self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.n_layers = c.num_hidden_layers
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple | None:
+        """The rotary tables of `positions`, shared by every layer of a pass (None: OPT)."""
+        if self.family == "opt":
+            return None
+        return rope_cos_sin(positions, self.head_dim, self.config.rope_theta, dtype)
+
+    def qkv(self, weights, x, positions, rope=None):
+        if self.family == "opt":
+            return opt_qkv(self.config, weights, x)
+        return llama_qkv(self.config, weights, x, positions, rope)
+
+    def out(self, weights, attn, x):
+        if self.family == "opt":
+            return opt_out(self.config, weights, attn, x)
+        return llama_out(self.config, weights, attn, x)
+
+    def logits(self, weights, hidden: torch.Tensor) -> torch.Tensor:
+        """(s, h) last hidden states -> (s, vocab) float32 logits."""
+        if self.family == "opt":
+            w_ln, b_ln, w_token = weights
+            h = F.layer_norm(hidden, (hidden.shape[-1],), w_ln.data, b_ln.data)
+        else:
+            w_norm, w_token = weights
+            h = rms_norm(hidden, w_norm.data, self.config.rms_norm_eps)
+        return F.linear(h, w_token.data).float()
+
+
+def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
+    """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
+    the weights' content, the compute and KV dtypes, the chunk size and the layout."""
+    m = FamilyMath(spec)
+    digest = getattr(spec, "weights_digest", "")
+    fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
+        if digest else ""
+    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)
+
+
+def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(probe query heads, KV heads whose keys the store's probe copy holds)."""
+    m = FamilyMath(spec)
+    try:
+        heads = resolve_probe_heads(config.probe_heads, m.n_head, m.n_kv_head, config.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    group = m.n_head // m.n_kv_head
+    return tuple(heads), tuple(sorted({h // group for h in heads}))
