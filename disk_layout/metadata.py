@@ -15,16 +15,19 @@ deleted node with a new one.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import re
 import sqlite3
-import struct
-import zlib
 
 import numpy as np
+
+# The errors and the rows are part of this module's interface.
+from .metadata_errors import (MetadataError, MetadataFull, MetadataIOError,  # noqa: F401
+                              MetadataReadOnly, _Guard, _one_line, _translatable, _translate)
+from .metadata_rows import (_NAMESPACE, LayerRow, NodeRow, _blob, _check_layer,  # noqa: F401
+                            _soft_state, layer_crc, mapping_blob, mapping_from_blob, node_crc,
+                            valid_file_name)
 
 log = logging.getLogger("impress_flexgen.metadata")
 
@@ -67,225 +70,8 @@ _COLUMNS = {
     "layers": {"node", "layer", "version", "file", "mapping", "crcs", "importance",
                "bitmaps", "access", "ratio"},
 }
-
-_FILE_NAME = re.compile(r"[0-9a-f]{32}\.kv")
-_NAMESPACE = re.compile(r"(?:[0-9a-f]{32})?")
 # Node columns added by schema 3, with what rows of older stores hold.
 _NODE_COLUMNS_3 = {"exact": "INTEGER NOT NULL DEFAULT 1", "namespace": "TEXT NOT NULL DEFAULT ''"}
-
-
-def valid_file_name(name: str) -> bool:
-    """True only for names the store gives layer files: 32 lowercase hex digits + ".kv"
-    (no separators, no "..", nothing absolute)."""
-    return isinstance(name, str) and _FILE_NAME.fullmatch(name) is not None
-
-
-# -- errors -------------------------------------------------------------------------------
-class MetadataError(Exception):
-    """The metadata database cannot be used; the message is one line naming its path."""
-
-
-class MetadataFull(MetadataError):
-    """SQLite reported SQLITE_FULL: the database or its disk is full."""
-
-
-class MetadataIOError(MetadataError):
-    """SQLite reported an I/O error (SQLITE_IOERR*) on the database or its WAL."""
-
-
-class MetadataReadOnly(MetadataError):
-    """The database (or its directory) cannot be written."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _translate(path: str, exc: sqlite3.Error) -> MetadataError:
-    """The MetadataError subclass for a sqlite3 error, its message naming `path`."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    primary = None if code is None else code & 0xFF
-    what = _one_line(exc)
-    if primary == sqlite3.SQLITE_FULL:
-        return MetadataFull(f"{path}: database or disk is full ({what})")
-    if primary == sqlite3.SQLITE_IOERR:
-        return MetadataIOError(f"{path}: I/O error ({what})")
-    if primary == sqlite3.SQLITE_READONLY:
-        return MetadataReadOnly(f"{path}: read-only ({what})")
-    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-        return MetadataError(f"{path}: damaged or not a metadata database ({what})")
-    return MetadataError(f"{path}: {what}")
-
-
-def _translatable(exc: BaseException) -> bool:
-    # ProgrammingError / InterfaceError are misuse of the API (a bug), not a database state.
-    return isinstance(exc, sqlite3.Error) and not isinstance(
-        exc, (sqlite3.ProgrammingError, sqlite3.InterfaceError))
-
-
-class _Guard:
-    """Context manager: sqlite3 errors leave as MetadataError subclasses."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is not None and _translatable(exc):
-            raise _translate(self.path, exc) from exc
-        return False
-
-
-# -- rows ---------------------------------------------------------------------------------
-@dataclasses.dataclass
-class NodeRow:
-    """One node row. `valid` is False when its checksum or shape is wrong (`problem` says
-    why): its tokens then cannot be trusted. Iterates as the 6-tuple
-    (id, parent, start, tokens, hits, last_access)."""
-
-    id: int
-    parent: int | None
-    start: int
-    tokens: np.ndarray
-    hits: int = 0
-    last_access: float = 0.0
-    valid: bool = True
-    problem: str | None = None
-    exact: bool = True
-    namespace: str = ""
-
-    def __iter__(self):
-        return iter((self.id, self.parent, self.start, self.tokens, self.hits,
-                     self.last_access))
-
-
-@dataclasses.dataclass
-class LayerRow:
-    node: int
-    layer: int
-    version: int
-    file: str
-    mapping: np.ndarray | None
-    crcs: np.ndarray
-    importance: np.ndarray | None = None
-    bitmaps: np.ndarray | None = None
-    access: np.ndarray | None = None
-    ratio: np.ndarray | None = None
-    valid: bool = True            # False: checksum, file name, mapping or crcs are wrong
-    problem: str | None = None
-
-
-def _blob(arr: np.ndarray | None):
-    return None if arr is None else arr.tobytes()
-
-
-def _mapping_dtype(n_tokens: int):
-    return np.uint16 if n_tokens < 65536 else np.int32
-
-
-def mapping_blob(mapping: np.ndarray | None):
-    if mapping is None:
-        return None
-    return mapping.astype(_mapping_dtype(len(mapping))).tobytes()
-
-
-def mapping_from_blob(blob, n_tokens: int) -> np.ndarray | None:
-    if blob is None:
-        return None
-    return np.frombuffer(blob, dtype=_mapping_dtype(n_tokens)).astype(np.int64)
-
-
-def _crc_bytes(*parts) -> int | None:
-    """CRC32 of a canonical encoding of ints, strings and blobs (None: absent), or None
-    when a field has a type no valid row has (a damaged row)."""
-    out = []
-    for part in parts:
-        if isinstance(part, bool):
-            return None
-        if isinstance(part, int):
-            if not -(1 << 63) <= part < (1 << 63):
-                return None
-            out.append(b"i" + struct.pack("<q", part))
-        elif part is None:
-            out.append(b"n")
-        elif isinstance(part, str):
-            data = part.encode("utf-8", "surrogatepass")
-            out.append(b"s" + struct.pack("<Q", len(data)) + data)
-        elif isinstance(part, (bytes, bytearray, memoryview)):
-            data = bytes(part)
-            out.append(b"b" + struct.pack("<Q", len(data)) + data)
-        else:
-            return None
-    return zlib.crc32(b"".join(out))
-
-
-def node_crc(nid, parent, start, tokens, exact=True, namespace="") -> int | None:
-    # The flags join the checksum only when set, so rows of schema 2 keep theirs.
-    extra = (() if exact is True or exact == 1 else ("inexact",)) + \
-        (("namespace", namespace) if namespace else ())
-    return _crc_bytes(nid, -1 if parent is None else parent, start, tokens, *extra)
-
-
-def layer_crc(node, layer, version, file, mapping, crcs) -> int | None:
-    return _crc_bytes(node, layer, version, file, b"" if mapping is None else mapping, crcs)
-
-
-def _is_permutation(m: np.ndarray, n: int) -> bool:
-    if len(m) != n:
-        return False
-    if n == 0:
-        return True
-    if m.min() < 0 or m.max() >= n:
-        return False
-    return bool((np.bincount(m, minlength=n) == 1).all())
-
-
-def _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens: int,
-                 n_crcs: int | None) -> str | None:
-    """Why the hard state of a layer row cannot be trusted, or None."""
-    if crc is None:
-        return "no row checksum"
-    if not isinstance(crcs, bytes) or (mapping is not None and not isinstance(mapping, bytes)):
-        return "damaged blob type"
-    if layer_crc(node, layer, version, file, mapping, crcs) != crc:
-        return "row checksum mismatch"
-    if not isinstance(layer, int) or layer < 0 or not isinstance(version, int) or version < 0:
-        return f"bad layer/version ({layer!r}, {version!r})"
-    if not valid_file_name(file):
-        return f"bad file name {file!r}"
-    if mapping is not None:
-        width = np.dtype(_mapping_dtype(n_tokens)).itemsize
-        if len(mapping) != n_tokens * width:
-            return f"mapping of {len(mapping)} bytes for {n_tokens} tokens"
-        if not _is_permutation(mapping_from_blob(mapping, n_tokens), n_tokens):
-            return "mapping is not a permutation of the node's tokens"
-    if len(crcs) % 4:
-        return f"crcs blob of {len(crcs)} bytes"
-    if n_crcs is not None and len(crcs) // 4 != n_crcs:
-        return f"{len(crcs) // 4} chunk CRCs, expected {n_crcs}"
-    return None
-
-
-def _soft_state(imp, bitmaps, access, ratio, n_tokens: int):
-    """(importance f32, bitmaps u8, access u16, ratio u8), all None unless every blob is
-    present and their lengths agree with each other and with n_tokens."""
-    blobs = (imp, bitmaps, access, ratio)
-    if any(not isinstance(b, bytes) for b in blobs):
-        return None, None, None, None
-    n_chunks = len(access) // 2
-    ok = (len(imp) == 2 * n_tokens and len(access) % 2 == 0 and n_chunks > 0
-          and n_tokens % n_chunks == 0 and (n_tokens // n_chunks) % 8 == 0
-          and len(ratio) == n_chunks and len(bitmaps) == n_tokens // 8)
-    if not ok:
-        return None, None, None, None
-    return (np.frombuffer(imp, dtype=np.float16).astype(np.float32),
-            np.frombuffer(bitmaps, dtype=np.uint8).copy(),
-            np.frombuffer(access, dtype=np.uint16).copy(),
-            np.frombuffer(ratio, dtype=np.uint8).copy())
 
 
 class Metadata:

@@ -572,7 +572,7 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
                     _tick(ctx)
             if policy.reorder:
                 store.reorder_now()
-            store.cache.reset_metrics()
+            store.tiers.cache.reset_metrics()
 
         def serve(p, query):
             """Prefill mode: row i of the logits predicts the token after query[i]."""

@@ -88,8 +88,8 @@ class ServiceMetrics:
             self.m_plans.labels(plan)
         self.m_hit = Gauge("tier_hit_ratio", "Chunk hits / accesses of a tier since start",
                            ["tier"], namespace=ns, registry=r)
-        memory = self.store.cache.tier_names if self.store is not None and \
-            self.store.cache is not None else ()
+        memory = self.store.tiers.cache.tier_names if self.store is not None and \
+            self.store.tiers.cache is not None else ()
         for tier in memory:
             self.m_hit.labels(tier).set_function(lambda tier=tier: self._hit_ratio(tier))
         self.m_store = Gauge("store_bytes", "Bytes of the store's files on disk", namespace=ns,
@@ -120,14 +120,14 @@ class ServiceMetrics:
             self._pool_seen = dict.fromkeys(POOL_EVENTS, 0)
 
     def _hit_ratio(self, tier: str) -> float:
-        if self.store is None or self.store.cache is None:
+        if self.store is None or self.store.tiers.cache is None:
             return 0.0
-        return _ratio(self.store.cache.metrics[tier])
+        return _ratio(self.store.tiers.cache.metrics[tier])
 
     def _hit_ratio(self, tier: str) -> float:
-        if self.store is None or self.store.cache is None:
+        if self.store is None or self.store.tiers.cache is None:
             return 0.0
-        return _ratio(self.store.cache.metrics[tier])
+        return _ratio(self.store.tiers.cache.metrics[tier])
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

@@ -96,7 +96,7 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSi
                 t0 = time.perf_counter()
                 opened.reorder_now()
                 ready.reorder_s = time.perf_counter() - t0
-            opened.cache.reset_metrics()
+            opened.tiers.cache.reset_metrics()
         yield ready
     finally:
         try:
@@ -150,7 +150,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     loaded = {t: int(sum(r.bytes_read.get(t, 0) for r in rows)) for t in names}
     probe = int(sum(r.probe_bytes for r in rows))
     layers = sum(r.layers for r in rows if r.matched_tokens)
-    gpu = store.cache.metrics[GPU] if store is not None else {"hits": 0, "misses": 0}
+    gpu = store.tiers.cache.metrics[GPU] if store is not None else {"hits": 0, "misses": 0}
     planned = [r for r in rows if r.matched_tokens]
     accesses = gpu["hits"] + gpu["misses"]
     return {
@@ -179,7 +179,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "kl": float(np.mean(kls)) if kls else None,
         "kl_median": float(np.median(kls)) if kls else None,
         "top1_agreement": float(np.mean(top1)) if top1 else None,
-        "tiers": store.cache.metrics if store is not None else None,
+        "tiers": store.tiers.cache.metrics if store is not None else None,
         "store_metrics": dataclasses.asdict(store.metrics) if store is not None else None,
         "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
         # How the queries with a stored prefix were served, and what the pool gave.

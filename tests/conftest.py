@@ -65,7 +65,7 @@ SLOW_TESTS = {
     "tests/test_serve_guard.py::test_keys_and_salts_reach_the_engine_as_namespaces",
     "tests/test_shared_pool.py::test_second_process_serves_the_prefix_from_the_pool_bit_exact",
     "tests/test_shared_pool.py::test_slow_pool_is_skipped_by_the_budget",
-    "tests/test_store.py::test_store_survives_restart_in_a_new_process",
+    "tests/test_prefix_store.py::test_store_survives_restart_in_a_new_process",
     "tests/test_service_config.py::test_a_bad_url_from_the_command_line_is_refused_before_anything_loads",
     "tests/test_service_config.py::test_a_plan_that_needs_the_cost_model_is_calibrated_at_start",
     "tests/test_service_config.py::test_run_plan_recompute_reaches_the_engine",

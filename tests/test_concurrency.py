@@ -143,13 +143,13 @@ class StoreLoad:
 def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction):
     prefixes = overlapping_prefixes(11, 24)
     probe = PrefixStore(tmp_path / "size", SHAPE, store_config(fmt))
-    per_chunk = SHAPE.n_layers * probe._layout(C).file_bytes
+    per_chunk = SHAPE.n_layers * probe.state.layout(C).file_bytes
     probe.close()
     # Room for about 24 chunks of the ~100 the prefixes hold: evictions all along.
     cfg = store_config(fmt, disk_capacity_bytes=24 * per_chunk, reorder_interval=9,
                        eviction=eviction)
     cache = host_tiers(gpu_chunks=12, cpu_chunks=40)
-    store = PrefixStore(tmp_path / "s", SHAPE, cfg, cache=cache)
+    store = PrefixStore(tmp_path / "s", SHAPE, cfg, memory=cache)
     load = StoreLoad(store, prefixes, seed=5)
     try:
         workers = [threading.Thread(target=load.worker, args=(w, 40)) for w in range(5)]
@@ -162,7 +162,7 @@ def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction
         reorderer.join()
         m = store.metrics
         tiers = cache.metrics
-        with store._reorder_lock:      # no background reorder writing a file right now
+        with store.state.reorder_lock:      # no background reorder writing a file right now
             # Nothing holds a node any more: every retired or uncommitted file is gone.
             left = orphans(store)
     finally:
@@ -218,7 +218,7 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
     splits N, A's read lands (its admit must be refused), N's halves are evicted and a new
     prefix is stored (under new ids): loads of it return its own KV from every tier."""
     cache = host_tiers(64 if tier == "gpu" else 0, 64 if tier == "cpu" else 0)
-    store = PrefixStore(tmp_path / "s", SHAPE, store_config("fp16"), cache=cache)
+    store = PrefixStore(tmp_path / "s", SHAPE, store_config("fp16"), memory=cache)
     rng = np.random.default_rng(3)
     p = rng.integers(0, 1 << 20, 4 * C).astype(np.int32)
     q = np.concatenate([p[:2 * C], rng.integers(0, 1 << 20, 2 * C)]).astype(np.int32)
@@ -427,12 +427,12 @@ def test_two_engines_on_one_store_answer_as_one_request_alone(runtime_pairs, pre
     try:
         first = Engine(rt1, store, pol1, ENGINE_TIERS)
         second = Engine(rt2, store, make_policy(policy, serving_config(policy)),
-                        cache=store.cache)
-        assert second.store.cache is first.store.cache
+                        cache=store.tiers.cache)
+        assert second.store.tiers.cache is first.store.tiers.cache
         order = np.random.default_rng(7).permutation(len(prep.requests)).tolist()
         got, errors = serve_from_threads([first, second], prep.requests, order, 3)
         m = store.metrics
-        tiers = store.cache.metrics
+        tiers = store.tiers.cache.metrics
     finally:
         store.close()
     assert errors == []

@@ -20,7 +20,7 @@ def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
                      TierSizes(0, 1 << 20))
     try:
         assert stack.engine.store is stack.store and stack.store is not None
-        assert stack.store.config.chunk_size == 16 and stack.store.cache is not None
+        assert stack.store.config.chunk_size == 16 and stack.store.tiers.cache is not None
         got = [stack.engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
     finally:
         stack.close()

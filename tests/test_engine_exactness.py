@@ -39,7 +39,7 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
     store = open_store(tmp_path / "s", rt, cfg, impress, chunk_size=16)
     try:
         sparse = Engine(rt, store, impress, TierSizes())
-        dense = Engine(rt, store, full, TierSizes(), cache=store.cache)
+        dense = Engine(rt, store, full, TierSizes(), cache=store.tiers.cache)
         assert sparse.serve(Request(p, query, 1)).stats.exact          # nothing to select
         r2 = sparse.serve(Request(p + q, query, 1))
         assert r2.stats.matched_tokens == 64 and not r2.stats.exact

@@ -48,7 +48,7 @@ def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
         engine = Engine(rt, store, policy, TierSizes(0, 1 << 20, verify_hits=True))
         engine.serve(Request(prefix, query, 3))
         clean = engine.serve(Request(prefix, query, 3))        # from disk, now in the tier
-        cache = store.cache
+        cache = store.tiers.cache
         keys = sorted(cache.resident_keys("cpu"))
         assert keys
         cache.tiers[cache.tier_names.index("cpu")].chunks[keys[0]].tensor.view(torch.uint8).view(-1)[5] ^= 0x40

@@ -158,7 +158,7 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
         olds = [tokens(20 + i, 2 * C) for i in range(3)]
         for i, t in enumerate(olds):
             store.insert(t, 0, make_kv(2 * C, i))
-        write = store._write_layer_file
+        write = store.files.write_layer_file
         full = {"left": 1}
 
         def disk_full(*args, **kwargs):
@@ -166,8 +166,8 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
                 full["left"] -= 1
                 raise OSError(errno.ENOSPC, "No space left on device")
             return write(*args, **kwargs)
-        monkeypatch.setattr(store, "_write_layer_file", disk_full)
-        monkeypatch.setattr(store, "_free_bytes", lambda: 0)
+        monkeypatch.setattr(store.files, "write_layer_file", disk_full)
+        monkeypatch.setattr(store.files, "free_bytes", lambda: 0)
         new = tokens(30, 2 * C)
         store.insert(new, 0, make_kv(2 * C, 9))
         assert matched(store, new) == 2 * C
@@ -182,7 +182,7 @@ def test_a_passing_enospc_on_a_disk_with_room_evicts_nothing(tmp_path, monkeypat
 
         def disk_full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(store, "_write_layer_file", disk_full)
+        monkeypatch.setattr(store.files, "write_layer_file", disk_full)
         with pytest.raises(StoreWriteFailed):
             store.insert(tokens(41, 2 * C), 0, make_kv(2 * C, 2))
         assert matched(store, old) == 2 * C and store.metrics.evictions == 0

@@ -2,6 +2,11 @@
 way for each tier in TIERS; then what is particular to the disk tier, the memory tier's own
 ranking, and the chain over N of them.
 
+TIERS holds the tiers a load calls, as it calls them: the memory chain (`MemoryChain`, the
+first tier of a store's TierStack), the store's own `DiskTier` (`store.tiers.disk`, the
+last), and the remote tier (`RedisTier`); and the single memory tiers, alone and inside a
+chain.
+
 A factory takes the pytest request and a capacity in chunks and returns a `Subject`: the
 tier (CRC checks on), its i-th distinct chunk key, chunks of the shape it holds, and how
 to fill it, measure it and damage it behind its back. A write-once tier (`writable = False`:
@@ -23,6 +28,8 @@ import torch
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig, StoreFull
 from impress_flexgen.store.disk_tier import DiskTier
+from impress_flexgen.tiers.memory_chain import MemoryChain
+from impress_flexgen.tiers.stack import TierStack
 from impress_flexgen.tiers import (
     DISK,
     REMOTE,
@@ -101,6 +108,27 @@ def chained_tier(position: int) -> Callable:
     return make
 
 
+def memory_chain(request, n_chunks: int) -> Subject:
+    """The GPU and CPU tiers as one tier, as a store's TierStack holds them (half the
+    capacity each); CRC checks on every hit."""
+    capacity = n_chunks * CHUNK_BYTES
+    cfg = TierConfig(gpu_bytes=capacity // 2, cpu_bytes=capacity - capacity // 2,
+                     verify_hits=True)
+    chain = TierStack(ChunkCache(cfg, gpu_device=torch.device("cpu"))).memory
+    cache = chain.cache
+
+    def damage(i: int) -> None:
+        held = next(t for t in cache.tiers if chunk_key(i) in t.chunks)
+        flip_byte(held.chunks[chunk_key(i)].tensor)
+
+    return Subject(
+        chain, chunk_key,
+        lambda seed, small: chunk(seed, CHUNK_ELEMS // 2 if small else CHUNK_ELEMS),
+        lambda i, t: chain.put(chunk_key(i), t, payload_crc(t)),
+        lambda: sum(t.used for t in cache.tiers), damage, capacity, CHUNK_BYTES,
+        oversize=lambda seed: chunk(seed, capacity // 2 + 1))
+
+
 SHAPE = ModelShape("conformance", n_layers=2, n_kv_heads=2, head_dim=16)
 C = 16
 
@@ -129,10 +157,10 @@ def disk_tier(request, n_chunks: int) -> Subject:
     """The store in a tmp dir; key(i) is layer 0's first K chunk of prefix i (its own node)."""
     tmp = request.getfixturevalue("tmp_path")
     with PrefixStore(tmp / "measure", SHAPE, disk_config()) as probe:
-        node_bytes = SHAPE.n_layers * probe._layout(C).file_bytes
+        node_bytes = SHAPE.n_layers * probe.state.layout(C).file_bytes
     capacity = n_chunks * node_bytes
     store = PrefixStore(tmp / "store", SHAPE, disk_config(disk_capacity_bytes=capacity))
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     node_of: dict[int, int] = {}
 
     def key(i: int) -> tuple:
@@ -157,7 +185,7 @@ def disk_tier(request, n_chunks: int) -> Subject:
         store.reader.forget(entry.path)
 
     too_many = next(m for m in range(1, 10 ** 4)
-                    if SHAPE.n_layers * store._layout(m * C).file_bytes > capacity)
+                    if SHAPE.n_layers * store.state.layout(m * C).file_bytes > capacity)
     return Subject(tier, key, lambda seed, small: random_bits(seed, (2, C, 16)), fill,
                    store.disk_bytes, damage, capacity, 2 * C * 16 * 2,
                    oversize=lambda seed: random_bits(seed, (2, too_many * C, 16)),
@@ -222,6 +250,7 @@ TIERS: dict[str, Callable[..., Subject]] = {
     "memory-cpu": memory_tier("cpu"),
     "chain-gpu-on-host": chained_tier(0),
     "chain-cpu": chained_tier(1),
+    "memory-chain": memory_chain,
     "disk": disk_tier,
     "redis": redis_tier,
 }
@@ -243,6 +272,33 @@ def make(request):
 def test_implements_the_protocol(make):
     s = make(4)
     assert isinstance(s.tier, Tier) and isinstance(s.tier.name, str) and s.tier.name
+
+
+def test_a_store_loads_through_the_tiers_under_test(tmp_path):
+    """The classes this suite checks are the ones a store's loads call, in order."""
+    cache = ChunkCache(TierConfig(cpu_bytes=1 << 20), gpu_device=torch.device("cpu"))
+    with PrefixStore(tmp_path / "s", SHAPE, disk_config(), memory=cache) as store:
+        memory, disk = store.tiers.tiers
+        assert type(memory) is MemoryChain and memory.cache is cache
+        assert type(disk) is DiskTier and store.tiers.disk is disk
+        store_, node, kv = stored(tmp_path, 2, store=store)
+        entry = store.entry(node, 0)
+        calls = []
+        for tier in (memory, disk):
+            for name in ("submit_get", "wait", "put"):
+                real = getattr(tier, name)
+                setattr(tier, name, lambda *a, _r=real, _n=f"{tier.name}.{name}", **k:
+                        calls.append(_n) or _r(*a, **k))
+        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        assert calls == ["memory.submit_get", "memory.submit_get", "disk.submit_get",
+                         "disk.wait", "memory.put", "memory.put"]
+        assert served["disk_chunks"] == 2 and served["disk"] > 0
+        for i, t in enumerate(chunks["k"]):
+            assert same_bits(t, kv_chunk(kv, 0, "k", i).contiguous())
+        calls.clear()
+        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        assert "disk.submit_get" not in calls and served["cpu"] == 2 * entry.layout.chunk_bytes
+        assert memory.metrics()["hits"] == 2
 
 
 def test_round_trip_is_bit_exact_and_owned(make):
@@ -382,7 +438,7 @@ def kv_chunk(kv, layer: int, kind: str, i: int) -> torch.Tensor:
 
 def test_disk_reads_each_layer_file_once_whatever_the_keys(tmp_path):
     store, node, kv = stored(tmp_path, 4)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     n = node.id
     asked = [(n, 1, 1, "v", 2), (n, 0, 1, "k", 3), (n, 0, 1, "v", 0), (n, 1, 1, "k", 1),
              (n, 0, 1, "k", np.int64(3)),            # the same chunk again, a numpy index
@@ -409,7 +465,7 @@ def test_disk_reads_each_layer_file_once_whatever_the_keys(tmp_path):
 def test_disk_a_failed_check_is_a_miss_and_quarantines_only_that_node(tmp_path):
     store, a, kv_a = stored(tmp_path, 3, seed=1)
     _, b, kv_b = stored(tmp_path, 2, seed=2, store=store)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     entry = a.layers[1]
     with open(entry.path, "r+b") as f:             # one bit of A's layer 1 V chunk 2
         f.seek(entry.layout.chunk_offset("v", 2) + 5)
@@ -436,7 +492,7 @@ def test_disk_invalidate_spares_held_prefixes_and_takes_what_lies_below(tmp_path
     longer = prefix_tokens(1, 3)
     kv = disk_kv(random_bits(9, (2, C, 16)), 9)
     (_, child) = store.insert(longer, 2 * C, kv)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     pkey, ckey = (parent.id, 0, 1, "k", 0), (child.id, 1, 1, "v", 0)
     held = store.match_prefix(longer)              # a request holds the child
     assert tier.invalidate([pkey]) == 0 and tier.contains(pkey) and tier.contains(ckey)
@@ -451,7 +507,7 @@ def test_disk_invalidate_spares_held_prefixes_and_takes_what_lies_below(tmp_path
 
 def test_disk_a_read_in_flight_keeps_its_files(tmp_path):
     store, node, kv = stored(tmp_path, 2)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     key = (node.id, 1, 1, "k", 1)
     pending = tier.submit_get([key])
     assert tier.invalidate([key]) == 0             # pinned by the read
@@ -466,7 +522,7 @@ def test_disk_a_read_in_flight_keeps_its_files(tmp_path):
 
 def test_disk_a_closed_store_answers_misses(tmp_path):
     store, node, _ = stored(tmp_path, 1)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     key = (node.id, 0, 1, "k", 0)
     assert tier.contains(key)
     store.close()
@@ -481,7 +537,7 @@ def test_disk_tier_concurrent_reads_and_invalidations_never_serve_wrong_bytes(tm
     for seed in range(1, 7):
         _, node, kvs[seed] = stored(tmp_path, 2, seed=seed, store=store)
         keys[seed] = (node.id, 1, 1, "v", 1)
-    tier = DiskTier(store)
+    tier = store.tiers.disk
     failures = []
 
     def reader():

@@ -1,9 +1,8 @@
 """The harness's one reach into the store's internals.
 
-Faults that fail system calls replace `os` in the modules through which the store makes
-them (STORE_IO); the durable write (traced by the writer, failed with ENOSPC) is replaced
-in the same modules. Once every store system call goes through disk_layout.io, STORE_IO is
-("disk_layout.io",): that holds while the store calls io's functions as attributes of the
+Faults that fail system calls replace `os` in disk_layout.io, through which the store makes
+every one of them (STORE_IO); the durable write (traced by the writer, failed with ENOSPC) is
+replaced there too. That holds while the store calls io's functions as attributes of the
 module (`io.write_durable(...)`, not a name imported from it). Also here: the hook that
 sees a node removed, the metadata database's connection and the tiers a store serves
 through.
@@ -18,9 +17,7 @@ import sqlite3
 import disk_layout.io as disk_io
 
 # Where the store calls `os` and `write_durable`.
-STORE_IO = ("disk_layout.io", "impress_flexgen.store.eviction", "impress_flexgen.store.inserts",
-            "impress_flexgen.store.opening", "impress_flexgen.store.prefix_store",
-            "impress_flexgen.store.reorder")
+STORE_IO = ("disk_layout.io",)
 
 # The real objects a patch replaces (and puts back).
 REAL = {"os": os, "write_durable": disk_io.write_durable}
@@ -62,7 +59,8 @@ def on_node_removal(store, before, after=None) -> None:
     """Call before(node) before the store removes a node (eviction, quarantine) and after()
     once it is gone. Without the store's subtree removal, before() is called from the
     metadata's row deletion (splits delete rows too: more may be reported than goes)."""
-    real = getattr(store, "_remove_subtree", None)
+    removal = getattr(store, "removal", None)
+    real = getattr(removal, "remove_subtree", None)
     if real is not None:
         def remove_subtree(node, *a, **kw):
             before(node)
@@ -70,7 +68,7 @@ def on_node_removal(store, before, after=None) -> None:
             if after is not None:
                 after()
             return out
-        store._remove_subtree = remove_subtree
+        removal.remove_subtree = remove_subtree
         return
     real_delete = store.meta.delete_node
 
@@ -90,4 +88,4 @@ def metadata_connection(store) -> sqlite3.Connection | None:
 
 def attach_tiers(store, cache) -> None:
     """Serve the store's chunks through `cache` (GPU and CPU tiers)."""
-    store.cache = cache
+    store.tiers.use_memory(cache)

@@ -48,7 +48,7 @@ def _planner_engine(rt, ready, policy: str, args, tiers) -> Engine:
     """A new engine planning over `ready`'s store: a server started on this disk."""
     run = _run(policy, "auto", args)
     engine = Engine(rt, ready.store, make_policy(run.policy, run.serving()), tiers,
-                    cache=ready.store.cache)
+                    cache=ready.store.tiers.cache)
     engine.planner.cost()   # the calibration cached at the start of the run
     return engine
 

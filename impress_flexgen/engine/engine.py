@@ -88,10 +88,10 @@ class Engine:
             if tuple(store.config.probe_heads) != self.probe_kv_heads:
                 raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "
                                 f"the policy probes {self.probe_kv_heads}")
-            store.cache = cache if cache is not None else ChunkCache(
+            store.tiers.use_memory(cache if cache is not None else ChunkCache(
                 TierConfig(tiers.gpu_bytes, tiers.cpu_bytes, policy.tier_policy, tiers.alpha,
                            tiers.exclusive, verify_hits=tiers.verify_hits),
-                gpu_device=self.device)
+                gpu_device=self.device))
         c = self.math
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
         # The stored prefix KV a layer attends, and the prefill's loop over the layers.

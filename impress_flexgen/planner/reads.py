@@ -53,7 +53,7 @@ class StoreView:
 
     def tier_of(self, entry, chunk: int) -> str | None:
         """The memory tier holding the chunk's K (None: on disk only, or no tiers)."""
-        cache = self._store.cache
+        cache = self._store.tiers.cache
         if cache is None or not any(t.capacity > 0 for t in cache.tiers):
             return None
         return cache.resident((entry.node_id, entry.layer, entry.version, "k", int(chunk)))

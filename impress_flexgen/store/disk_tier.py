@@ -1,9 +1,16 @@
-"""The local disk store seen through the tier interface (`impress_flexgen.tiers.base.Tier`).
+"""The local disk store seen through the tier interface (`impress_flexgen.tiers.base.Tier`):
+the last tier of the store's TierStack, which every load of stored KV goes through.
 
-Keys are the memory tiers' (node_id, layer, version, kind, chunk) (`PrefixStore._key`): a
+Keys are the memory tiers' (node_id, layer, version, kind, chunk) (`state.chunk_key`): a
 key is held while its node is live and that layer's current entry has that version and at
 least chunk+1 chunks. Reads go through the store's own disk read (coalesced, CRC-checked),
 one round trip per layer file whatever the number of keys in it.
+
+The load path names where its keys live (`submit_get(keys, at=(node, entry))`): the entry
+its request holds, which may be a version a reorder has since replaced (its file stays
+until the request lets go). Such a read is of that file, in the keys' order; a failed
+check there is not quarantined here but handed back (`pending.error`) for the caller, which
+holds the node, to raise.
 
 The disk is written by inserts of whole prefixes (`PrefixStore.insert`), never chunk by
 chunk: `put` refuses every offer (`writable` is False). A chunk that fails its check is a
@@ -25,6 +32,9 @@ from ..tiers.base import ChunkKey
 from ..tiers.chain import DISK
 from .config import CorruptNode, StoreWriteFailed
 from .entries import LayerEntry
+from .eviction import Removal, disk_bytes
+from .reads import DiskReads
+from .state import StoreState
 
 log = logging.getLogger("impress_flexgen.store")
 
@@ -39,16 +49,21 @@ class _Group:
     node: RadixNode
     entry: LayerEntry
     slots: dict = dataclasses.field(default_factory=dict)   # (kind, chunk) -> result slots
-    read: object = None                                      # the store's _ChunkRead
+    read: object = None                                      # DiskReads.start_chunks's read
     error: CorruptNode | None = None
 
 
 @dataclasses.dataclass
 class _DiskGet:
-    """What submit_get returns: the reads in flight, and where their chunks go."""
+    """What submit_get returns: the reads in flight, and where their chunks go; after
+    wait(), the bytes read from disk (padding included) and, for a read at a named entry,
+    the failure to raise (None: none)."""
 
     n_keys: int
     groups: list[_Group]
+    located: bool = False
+    bytes_read: int = 0
+    error: Exception | None = None
 
 
 class DiskTier:
@@ -59,18 +74,20 @@ class DiskTier:
     # no radix node to live in.
     writable = False
 
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, state: StoreState, reads: DiskReads, removal: Removal) -> None:
+        self.state = state
+        self.reads = reads
+        self.removal = removal
         self._mu = threading.Lock()   # the counters; the store's lock guards everything else
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ------------------------------------------------------------------ the Tier protocol
     def contains(self, key: ChunkKey) -> bool:
-        with self.store.lock:
+        with self.state.lock:
             return self._find(key) is not None
 
     def batch_exists(self, keys: Sequence[ChunkKey]) -> int:
-        with self.store.lock:
+        with self.state.lock:
             n = 0
             for key in keys:
                 if self._find(key) is None:
@@ -78,14 +95,17 @@ class DiskTier:
                 n += 1
             return n
 
-    def submit_get(self, keys: Sequence[ChunkKey]) -> _DiskGet:
+    def submit_get(self, keys: Sequence[ChunkKey], at: tuple | None = None) -> _DiskGet:
         """Start reading `keys`, grouped by layer file; a key not held is a miss at once.
-        The nodes read stay pinned until wait(): nothing deletes their files meanwhile."""
+        The nodes read stay pinned until wait(): nothing deletes their files meanwhile.
+        at=(node or None, entry): every key is a chunk of `entry`, held by the caller."""
         keys = list(keys)
+        if at is not None:
+            return self._submit_at(keys, *at)
         groups: dict[tuple[int, int], _Group] = {}
         misses = 0
-        store = self.store
-        with store.lock:
+        state = self.state
+        with state.lock:
             for slot, key in enumerate(keys):
                 found = self._find(key)
                 if found is None:
@@ -95,7 +115,7 @@ class DiskTier:
                 group = groups.get((node.id, entry.layer))
                 if group is None:
                     group = groups[(node.id, entry.layer)] = _Group(node, entry)
-                    store.tree.pin(node)
+                    state.tree.pin(node)
                 group.slots.setdefault((kind, chunk), []).append(slot)
         self._count(misses=misses)
         for group in groups.values():
@@ -103,18 +123,36 @@ class DiskTier:
             for kind, chunk in group.slots:      # each chunk once, however often asked
                 wanted.setdefault(kind, []).append(chunk)
             try:
-                group.read = store._start_chunks(group.entry, wanted, group.node)
+                group.read = self.reads.start_chunks(group.entry, wanted, group.node)
             except CorruptNode as exc:       # the file cannot be opened: a miss, in wait()
                 group.error = exc
             except RuntimeError:             # the store closed meanwhile: misses
                 pass
         return _DiskGet(len(keys), list(groups.values()))
 
+    def _submit_at(self, keys: list, node, entry: LayerEntry) -> _DiskGet:
+        """One read of `entry`'s file for chunks of it, each asked once per key."""
+        group = _Group(node, entry)
+        wanted: dict[str, list[int]] = {}
+        for slot, (_, _, _, kind, chunk) in enumerate(keys):
+            group.slots[(kind, len(wanted.setdefault(kind, [])))] = [slot]
+            wanted[kind].append(int(chunk))
+        pending = _DiskGet(len(keys), [group], located=True)
+        try:
+            group.read = self.reads.start_chunks(entry, wanted, node)
+        except CorruptNode as exc:
+            group.error = exc
+        return pending
+
     def wait(self, pending: _DiskGet) -> list[torch.Tensor | None]:
         """The chunks, in asked order: (kv_heads, C, head_dim) float16 tensors of their
         own read buffers (the caller's to keep or change). A layer file that fails a check
-        or a read makes every key of it a miss, and its node leaves the store."""
+        or a read makes every key of it a miss, and its node leaves the store (a read at a
+        named entry: the failure is left in pending.error for the caller)."""
         out: list[torch.Tensor | None] = [None] * pending.n_keys
+        if pending.located:
+            self._wait_at(pending, out)
+            return out
         for group in pending.groups:
             try:
                 if group.error is not None:
@@ -122,7 +160,8 @@ class DiskTier:
                 if group.read is None:
                     self._count(misses=sum(map(len, group.slots.values())))
                     continue
-                chunks, _ = self.store._finish_chunks(group.read)
+                chunks, nbytes = self.reads.finish_chunks(group.read)
+                pending.bytes_read += nbytes
             except CorruptNode as exc:
                 self._count(misses=sum(map(len, group.slots.values())), corrupt_reads=1)
                 # The store logs the quarantine; the caller sees only misses.
@@ -133,6 +172,21 @@ class DiskTier:
                 self._unpin(group.node)
         return out
 
+    def _wait_at(self, pending: _DiskGet, out: list) -> None:
+        (group,) = pending.groups
+        n = sum(map(len, group.slots.values()))
+        try:
+            if group.error is not None:
+                raise group.error
+            chunks, pending.bytes_read = self.reads.finish_chunks(group.read)
+        except CorruptNode as exc:
+            self._count(misses=n, corrupt_reads=1)
+            pending.error = exc
+            return
+        for (kind, i), (slot,) in group.slots.items():
+            out[slot] = chunks[kind][i]
+        self._count(hits=n, bytes_served=n * group.entry.layout.chunk_bytes)
+
     def put(self, key: ChunkKey, tensor: torch.Tensor, crc: int | None = None) -> bool:
         """Always False: the disk takes whole prefixes through `PrefixStore.insert`."""
         return False
@@ -141,8 +195,8 @@ class DiskTier:
         """Remove the nodes of these keys, with the prefixes below them, where no request
         holds any of them (a held node stays). Every chunk of a removed node goes; the
         count is of the given keys that went."""
-        store = self.store
-        with store.lock:
+        state = self.state
+        with state.lock:
             held: dict[int, set] = {}
             nodes: dict[int, RadixNode] = {}
             for key in keys:
@@ -151,12 +205,12 @@ class DiskTier:
                     nodes[found[0].id] = found[0]
                     held.setdefault(found[0].id, set()).add(key)
             for node in nodes.values():
-                if not node.live or any(n.lock_count for n in store.tree.subtree(node)):
+                if not node.live or any(n.lock_count for n in state.tree.subtree(node)):
                     continue
                 try:
-                    store._remove_subtree(node)
+                    self.removal.remove_subtree(node)
                 except StoreWriteFailed as exc:   # its rows stay: the node stays too
-                    log.warning("store %s: node %d not invalidated: %s", store.dir, node.id, exc)
+                    log.warning("store %s: node %d not invalidated: %s", state.dir, node.id, exc)
                     continue
                 self._count(invalidated_nodes=1)
             return sum(1 for ks in held.values() for k in ks if self._find(k) is None)
@@ -164,11 +218,11 @@ class DiskTier:
     def metrics(self) -> dict:
         """This tier's hits, misses and bytes served (chunk payloads), with the store's
         own disk counters (chunks_read, bytes_read with padding, corruptions, ...)."""
-        store = self.store
-        with store.lock:
-            out = dataclasses.asdict(store.metrics)
-            out["used_bytes"] = store.disk_bytes()
-            out["capacity_bytes"] = store.config.disk_capacity_bytes
+        state = self.state
+        with state.lock:
+            out = dataclasses.asdict(state.metrics)
+            out["used_bytes"] = disk_bytes(state)
+            out["capacity_bytes"] = state.config.disk_capacity_bytes
         with self._mu:
             out.update(self.counters)
         return out
@@ -178,13 +232,13 @@ class DiskTier:
         """(node, entry, kind, chunk) of a held key; None for anything else (a key of
         another shape is not held here, nor anything by a closed store). The caller holds
         the store's lock."""
-        if self.store._closed or not isinstance(key, tuple) or len(key) != 5:
+        if self.state.closed or not isinstance(key, tuple) or len(key) != 5:
             return None
         node_id, layer, version, kind, chunk = key
         if not isinstance(kind, str) or kind not in _KINDS or \
                 not all(_is_int(x) for x in (node_id, layer, version, chunk)):
             return None
-        node = self.store.tree.nodes.get(int(node_id))
+        node = self.state.tree.nodes.get(int(node_id))
         if node is None or not node.live or not 0 <= layer < len(node.layers):
             return None
         entry = node.layers[int(layer)]
@@ -206,16 +260,14 @@ class DiskTier:
 
     def _quarantine(self, exc: CorruptNode) -> None:
         try:
-            self.store.quarantine(exc.node, str(exc))
+            self.removal.quarantine(exc.node, str(exc))
         except Exception as err:  # noqa: BLE001 - out of service or not, the caller misses
-            log.warning("store %s: quarantine of node %d failed: %s", self.store.dir,
+            log.warning("store %s: quarantine of node %d failed: %s", self.state.dir,
                         exc.node.id, err)
 
     def _unpin(self, node: RadixNode) -> None:
-        store = self.store
-        with store.lock:
-            for freed in store.tree.unpin(node):
-                store._delete_retired(freed)
+        with self.state.lock:
+            self.removal.unlock(self.state.tree.unpin(node))
 
     def _count(self, **deltas: int) -> None:
         with self._mu:

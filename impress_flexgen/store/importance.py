@@ -9,15 +9,19 @@ import numpy as np
 from disk_layout.metadata import MetadataError
 
 from .entries import LayerEntry, LayerStats
+from .state import StoreState
 
 log = logging.getLogger("impress_flexgen.store")
 
 
-class _Importance:
-    """Per-(node, layer) importance and selection feedback (part of PrefixStore)."""
+class Importance:
+    """Per-(node, layer) importance and selection feedback."""
+
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
 
     def layer_stats(self, entry: LayerEntry) -> LayerStats:
-        return self.stats[(entry.node_id, entry.layer)]
+        return self.state.stats[(entry.node_id, entry.layer)]
 
     def record_selection(self, entry: LayerEntry, scores: np.ndarray | None,
                          selected: np.ndarray | None, chunks_read=None) -> None:
@@ -28,14 +32,14 @@ class _Importance:
             scores = np.concatenate([scores, np.zeros(n - len(scores), scores.dtype)])
         if selected is not None and len(selected) < n:
             selected = np.concatenate([selected, np.zeros(n - len(selected), bool)])
-        with self.lock:
-            stats = self.stats.get((entry.node_id, entry.layer))
+        with self.state.lock:
+            stats = self.state.stats.get((entry.node_id, entry.layer))
             if stats is None:  # the node was split, evicted or quarantined meanwhile
                 return
             if scores is not None:
                 stats.importance += scores.astype(np.float32)
                 stats.dirty = True
-            current = self._is_current(entry)
+            current = self.state.is_current(entry)
             if selected is not None and current:   # bitmaps are in the current layout
                 c = entry.layout.chunk_size
                 phys_sel = selected if entry.mapping is None else selected[entry.mapping]
@@ -49,20 +53,15 @@ class _Importance:
     def last_selected_chunks(self, entry: LayerEntry) -> np.ndarray:
         """Physical chunks of `entry` that held tokens the last query selected (empty when
         none has been recorded for its layout): the best guess at the next selection."""
-        with self.lock:
-            stats = self.stats.get((entry.node_id, entry.layer))
-            if stats is None or not self._is_current(entry):
+        with self.state.lock:
+            stats = self.state.stats.get((entry.node_id, entry.layer))
+            if stats is None or not self.state.is_current(entry):
                 return np.zeros(0, dtype=np.int64)
             return np.flatnonzero(stats.bitmaps.any(axis=1))
 
-    def _is_current(self, entry: LayerEntry) -> bool:
-        """Is `entry` its node's layout now (not one a reorder replaced)? Under the lock."""
-        node = self.tree.nodes.get(entry.node_id)
-        return node is not None and node.layers[entry.layer] is entry
-
     def chunk_ratios(self, entry: LayerEntry, chunk_ids) -> np.ndarray:
-        with self.lock:
-            stats = self.stats.get((entry.node_id, entry.layer))
+        with self.state.lock:
+            stats = self.state.stats.get((entry.node_id, entry.layer))
             if stats is None:
                 return np.zeros(len(chunk_ids))
             return stats.ratio[np.asarray(chunk_ids, dtype=np.int64)] / 255.0
@@ -70,13 +69,13 @@ class _Importance:
     def flush_stats(self) -> None:
         """Persist soft state (importance, bitmaps, counters, ratios) and node hit counts.
         A full database only loses these hints (logged), never KV."""
-        with self.lock:
+        with self.state.lock:
             rows = [(nid, layer, s.importance, s.bitmaps, s.access, s.ratio)
-                    for (nid, layer), s in self.stats.items() if nid in self.tree.nodes]
-            touched = [(n.id, n.last_access, n.hits) for n in self.tree.nodes.values()]
+                    for (nid, layer), s in self.state.stats.items() if nid in self.state.tree.nodes]
+            touched = [(n.id, n.last_access, n.hits) for n in self.state.tree.nodes.values()]
             try:
-                with self.meta.transaction():
-                    self.meta.put_soft_state(rows)
-                    self.meta.touch_nodes(touched)
+                with self.state.meta.transaction():
+                    self.state.meta.put_soft_state(rows)
+                    self.state.meta.touch_nodes(touched)
             except MetadataError as exc:
-                log.warning("store %s: statistics not saved: %s", self.dir, exc)
+                log.warning("store %s: statistics not saved: %s", self.state.dir, exc)

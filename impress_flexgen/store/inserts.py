@@ -2,37 +2,31 @@
 then one metadata transaction (with the split of a partly matched node) makes them visible."""
 from __future__ import annotations
 
-import errno
-import os
 import time
-import uuid
-from pathlib import Path
 
 import numpy as np
-import torch
 
-from disk_layout.format import (LayerFileLayout, chunk_payload, crc32, encode_probe,
-                                probe_supported)
-from disk_layout.io import write_durable
-from disk_layout.metadata import LayerRow, MetadataError, MetadataFull
+from disk_layout.format import LayerFileLayout
+from disk_layout.metadata import LayerRow
 
 from ..radix import PrefixMatch, RadixNode
-from .config import DiskFull, StoreFull, StoreWriteFailed, namespace_key
+from .config import DiskFull, StoreWriteFailed, namespace_key
 from .entries import LayerEntry, LayerStats
+from .eviction import Removal
+from .files import LayerFiles
+from .reads import DiskReads
+from .state import StoreState, meta_write
 
 
-class _Inserts:
-    """Durable inserts and splits (part of PrefixStore)."""
+class Inserter:
+    """Durable inserts of newly computed prefix KV, and the splits they need."""
 
-    def _meta_write(self, write, what: str):
-        """Run a metadata write; a full or failing database becomes StoreFull /
-        StoreWriteFailed (the request goes on without storing)."""
-        try:
-            return write()
-        except MetadataFull as exc:
-            raise StoreFull(f"metadata database full while {what}: {exc}") from None
-        except MetadataError as exc:
-            raise StoreWriteFailed(f"metadata write failed while {what}: {exc}") from None
+    def __init__(self, state: StoreState, files: LayerFiles, reads: DiskReads,
+                 removal: Removal) -> None:
+        self.state = state
+        self.files = files
+        self.reads = reads
+        self.removal = removal
 
     def insert(self, tokens, start: int, kv, namespace: str = "", exact: bool = True
                ) -> list[RadixNode]:
@@ -54,24 +48,24 @@ class _Inserts:
         starts again from the new tree.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
-        c = self.config.chunk_size
+        c = self.state.config.chunk_size
         end = len(tokens) // c * c
         if start % c:
             raise ValueError("insert start must be chunk-aligned")
         ns = namespace_key(namespace)
         # Room a full disk must make before a retry: the new files, a split's at most.
-        need = 2 * self.shape.n_layers * self._layout(max(c, end - start)).file_bytes
+        need = 2 * self.state.shape.n_layers * self.state.layout(max(c, end - start)).file_bytes
         freed_for_full = 0
         for _ in range(8):
-            with self.lock:
-                if exact and self.tree.match_prefix(tokens[:end], ns, True).length < start:
+            with self.state.lock:
+                if exact and self.state.tree.match_prefix(tokens[:end], ns, True).length < start:
                     exact = False     # below an inexact prefix: inexact by descent
-                match = self.tree.match_prefix(tokens[:end], ns, exact_only=exact)
+                match = self.state.tree.match_prefix(tokens[:end], ns, exact_only=exact)
                 have = match.length
                 if exact and have < end:
-                    blocker = self.tree.next_child(tokens[:end], match, ns)
+                    blocker = self.state.tree.next_child(tokens[:end], match, ns)
                     if blocker is not None and not blocker.exact:
-                        self._supersede(blocker)
+                        self.removal.supersede(blocker)
                         continue
                 if have < start:
                     # Only a quarantine removes a pinned prefix: nothing to attach to now.
@@ -81,7 +75,7 @@ class _Inserts:
                     return match.nodes
                 # Pinned: nothing evicts the nodes we read and attach under, or deletes
                 # their files.
-                self.tree.lock(match)
+                self.state.tree.lock(match)
                 last, used = match.segments[-1] if match.segments else (None, 0)
                 split_at = used if last is not None and used < last.n_tokens else None
                 # The layers to split: a reorder may replace them meanwhile, which changes
@@ -94,40 +88,22 @@ class _Inserts:
                 # No capacity set and the disk itself is full: evict leaves nobody holds
                 # (this insert's path is pinned) and try again, or nothing new is ever
                 # stored again. A disk with room left (a passing fault) evicts nothing.
-                if self.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
-                        or self._free_bytes() >= need:
+                if self.state.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
+                        or self.files.free_bytes() >= need:
                     raise
-                made = self._evict_bytes(need)
+                made = self.removal.evict_bytes(need)
                 if not made:
                     raise
                 freed_for_full += made
                 node = None
             finally:
-                with self.lock:
-                    for freed in self.tree.unlock(match):
-                        self._delete_retired(freed)
+                with self.state.lock:
+                    for freed in self.state.tree.unlock(match):
+                        self.files.delete_retired(freed)
             if node is not None:
-                with self.lock:
-                    return self.tree.path_to(node)
+                with self.state.lock:
+                    return self.state.tree.path_to(node)
         raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
-
-    def _free_bytes(self) -> int:
-        """Bytes this user may still write on the store's file system."""
-        try:
-            st = os.statvfs(self.data_dir)
-        except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize
-
-    def _supersede(self, node: RadixNode) -> None:
-        """Under the lock: remove an inexact node (and the prefixes below it, inexact by
-        descent) that exact KV of the same tokens replaces."""
-        doomed = self.tree.subtree(node)
-        if any(n.lock_count for n in doomed):
-            raise StoreWriteFailed("an approximate copy of this prefix is in use; its exact "
-                                   "KV is not stored this time")
-        self._remove_subtree(node)
-        self.metrics.superseded += len(doomed)
 
     def _insert_pinned(self, tokens, start, kv, match: PrefixMatch, have: int,
                        split_at: int | None, seen, ns: str = "", exact: bool = True
@@ -139,60 +115,45 @@ class _Inserts:
         offset = have - start
         layers = [(k[:, offset:offset + len(new_tokens)], v[:, offset:offset + len(new_tokens)])
                   for k, v in kv]
-        layout = self._layout(len(new_tokens))
-        need = self.shape.n_layers * layout.file_bytes
+        layout = self.state.layout(len(new_tokens))
+        need = self.state.shape.n_layers * layout.file_bytes
         if split_at is not None:
-            need += self.shape.n_layers * (self._layout(split_at).file_bytes +
-                                          self._layout(last.n_tokens - split_at).file_bytes)
-        self._make_room(need)       # reserves `need`; given back below
+            need += self.state.shape.n_layers * (self.state.layout(split_at).file_bytes +
+                                          self.state.layout(last.n_tokens - split_at).file_bytes)
+        self.removal.make_room(need)       # reserves `need`; given back below
         names: list[str] = []
         try:
             split = None
             if split_at is not None:
                 split = self._write_split(last, split_at, seen, names)
-            files = self._write_files(layout, layers, names)
-            with self.lock:
-                if self.tree.match_prefix(tokens, ns, exact).segments != match.segments or \
-                        (exact and (n := self.tree.next_child(tokens, match, ns)) is not None
+            files = self.files.write_files(layout, layers, names)
+            with self.state.lock:
+                if self.state.tree.match_prefix(tokens, ns, exact).segments != match.segments or \
+                        (exact and (n := self.state.tree.next_child(tokens, match, ns)) is not None
                          and not n.exact):
-                    self.metrics.insert_retries += 1
+                    self.state.metrics.insert_retries += 1
                     return None
                 node = self._commit_insert(last, split, have, new_tokens, layout, files, ns,
                                            exact and (last is None or last.exact))
                 names = []            # committed: the files are the store's now
-                self.metrics.inserts += 1
+                self.state.metrics.inserts += 1
                 return node
         finally:
-            self._discard(names)
-            with self.lock:
-                self._reserved -= need
-
-    def _write_files(self, layout: LayerFileLayout, layers, names: list[str]) -> list:
-        """Write one file per layer (fsynced); [(name, crcs)]. Names go to `names` as they
-        are made, so the caller can remove them if anything fails."""
-        out = []
-        for k, v in layers:
-            name = f"{uuid.uuid4().hex}.kv"
-            names.append(name)
-            try:
-                crcs = self._write_layer_file(self.data_dir / name, layout, k, v)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise DiskFull(f"disk full while writing {self.data_dir}") from None
-                raise StoreWriteFailed(f"cannot write {self.data_dir}: {exc}") from None
-            out.append((name, crcs))
-        return out
+            self.files.discard(names)
+            with self.state.lock:
+                self.state.reserved -= need
 
     def _write_split(self, node: RadixNode, at: int, seen, names: list[str]) -> dict:
         """Rewrite `node` as two nodes split at chunk boundary `at` (files only)."""
         head, tail = [], []
         for entry in seen:
-            k, v = self.read_layer(entry, node)
+            k, v = self.reads.read_layer(entry, node)
             head.append((k[:, :at], v[:, :at]))
             tail.append((k[:, at:], v[:, at:]))
-        head_layout, tail_layout = self._layout(at), self._layout(node.n_tokens - at)
-        return {"node": node, "at": at, "head": (head_layout, self._write_files(head_layout, head, names)),
-                "tail": (tail_layout, self._write_files(tail_layout, tail, names))}
+        head_layout, tail_layout = self.state.layout(at), self.state.layout(node.n_tokens - at)
+        return {"node": node, "at": at,
+                "head": (head_layout, self.files.write_files(head_layout, head, names)),
+                "tail": (tail_layout, self.files.write_files(tail_layout, tail, names))}
 
     def _commit_insert(self, last: RadixNode | None, split: dict | None, have: int,
                        tokens: np.ndarray, layout: LayerFileLayout, files, ns: str = "",
@@ -200,41 +161,42 @@ class _Inserts:
         """Under the lock: one transaction makes the split (if any) and the new node visible,
         then the tree follows."""
         def commit():
-            with self.meta.transaction():
+            with self.state.meta.transaction():
                 parent_id = last.id if last is not None else None
                 if split is not None:
                     old = split["node"]
-                    grand = None if self.tree.is_root(old.parent) else old.parent
-                    head_id = self.meta.add_node(grand.id if grand else None, old.start,
+                    grand = None if self.state.tree.is_root(old.parent) else old.parent
+                    head_id = self.state.meta.add_node(grand.id if grand else None, old.start,
                                                  old.tokens[:split["at"]], old.exact,
                                                  old.namespace)
-                    tail_id = self.meta.add_node(head_id, old.start + split["at"],
+                    tail_id = self.state.meta.add_node(head_id, old.start + split["at"],
                                                  old.tokens[split["at"]:], old.exact,
                                                  old.namespace)
                     for nid, part in ((head_id, "head"), (tail_id, "tail")):
                         for layer, (name, crcs) in enumerate(split[part][1]):
-                            self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                            self.state.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
                     for child in old.children.values():
-                        self.meta.set_parent(child.id, tail_id)
-                    self.meta.delete_node(old.id)
+                        self.state.meta.set_parent(child.id, tail_id)
+                    self.state.meta.delete_node(old.id)
                     split["ids"] = (head_id, tail_id)
                     parent_id = head_id
-                nid = self.meta.add_node(parent_id, have, tokens, exact, ns)
+                nid = self.state.meta.add_node(parent_id, have, tokens, exact, ns)
                 for layer, (name, crcs) in enumerate(files):
-                    self.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
+                    self.state.meta.put_layer(LayerRow(nid, layer, 1, name, None, crcs))
                 return nid
 
-        nid = self._meta_write(commit, "storing a prefix")
+        nid = meta_write(commit, "storing a prefix")
         parent = last
         if split is not None:
             parent = self._apply_split(split)
         node = RadixNode(nid, parent, have, tokens.copy(), last_access=time.time(),
                          exact=exact, namespace=ns)
-        node.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None, crcs)
+        data_dir, c = self.state.data_dir, self.state.config.chunk_size
+        node.layers = [LayerEntry(nid, layer, 1, str(data_dir / name), layout, None, crcs)
                        for layer, (name, crcs) in enumerate(files)]
         for layer in range(len(files)):
-            self.stats[(nid, layer)] = LayerStats.fresh(len(tokens), self.config.chunk_size)
-        self.tree.attach(node)
+            self.state.stats[(nid, layer)] = LayerStats.fresh(len(tokens), c)
+        self.state.tree.attach(node)
         return node
 
     def _apply_split(self, split: dict) -> RadixNode:
@@ -248,46 +210,18 @@ class _Inserts:
             new = RadixNode(nid, None, start, node.tokens[sl].copy(), hits=node.hits,
                             last_access=node.last_access, exact=node.exact,
                             namespace=node.namespace)
-            new.layers = [LayerEntry(nid, layer, 1, str(self.data_dir / name), layout, None,
+            new.layers = [LayerEntry(nid, layer, 1, str(self.state.data_dir / name), layout, None,
                                      crcs) for layer, (name, crcs) in enumerate(files)]
             for layer in range(len(files)):
-                s = LayerStats.fresh(new.n_tokens, self.config.chunk_size)
-                s.importance[:] = self.stats[(node.id, layer)].importance[sl]
+                s = LayerStats.fresh(new.n_tokens, self.state.config.chunk_size)
+                s.importance[:] = self.state.stats[(node.id, layer)].importance[sl]
                 s.dirty = True
-                self.stats[(nid, layer)] = s
+                self.state.stats[(nid, layer)] = s
             # Whoever holds the node holds its halves: nothing evicts them meanwhile.
             new.lock_count = node.lock_count
             halves.append(new)
         node.successors = halves
-        self.tree.replace(node, halves)
-        self._retire_node(node)
-        self.metrics.splits += 1
+        self.state.tree.replace(node, halves)
+        self.removal.retire_node(node)
+        self.state.metrics.splits += 1
         return halves[0]
-
-    def _discard(self, names: list[str]) -> None:
-        for name in names:
-            (self.data_dir / name).unlink(missing_ok=True)
-
-    def _write_layer_file(self, path: Path, layout: LayerFileLayout, k_logical: torch.Tensor,
-                          v_logical: torch.Tensor, mapping: np.ndarray | None = None) -> np.ndarray:
-        """Write one (node, layer) file in the physical order given by `mapping`."""
-        k = k_logical.detach().to(torch.float16).cpu()
-        v = v_logical.detach().to(torch.float16).cpu()
-        if mapping is not None:
-            order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
-            k, v = k[:, order], v[:, order]
-        k, v = k.contiguous(), v.contiguous()
-        probe_heads = list(self.config.probe_heads)
-        if self.config.probe_format == "int4" and not probe_supported(
-                len(probe_heads), layout.n_tokens, layout.head_dim):
-            raise ValueError("int4 probe copy needs probe values in groups of 32")
-        probe = encode_probe(k[probe_heads], self.config.probe_format)
-        pieces = [(0, probe)]
-        crcs = [crc32(probe)]
-        for kind, tensor in (("k", k), ("v", v)):
-            for i in range(layout.n_chunks):
-                payload = chunk_payload(tensor, i, layout.chunk_size)
-                pieces.append((layout.chunk_offset(kind, i), payload))
-                crcs.append(crc32(payload))
-        write_durable(str(path), pieces, layout.file_bytes)
-        return np.asarray(crcs, dtype=np.uint32)

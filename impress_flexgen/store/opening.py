@@ -3,20 +3,22 @@ or damage left behind."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
+import stat
 import threading
 
 import numpy as np
 
-from disk_layout.format import LayerFileLayout
+from disk_layout import io as dio
 from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata, valid_file_name
 
 from ..errors import UserError
 from ..radix import RadixNode
 from .config import STORE_FORMAT
 from .entries import LayerEntry, LayerStats
+from .files import LayerFiles
+from .state import StoreState, meta_write
 
 log = logging.getLogger("impress_flexgen.store")
 
@@ -25,78 +27,112 @@ def _owner_only(path, mode: int) -> None:
     """Take group and other permissions off a store path we own (stores made before they
     were private included); one we do not own, or that is gone, is left as it is."""
     try:
-        st = os.lstat(path)
+        st = dio.lstat(path)
     except FileNotFoundError:
         return
-    if st.st_uid == os.getuid() and st.st_mode & 0o077 and not os.path.islink(path):
-        os.chmod(path, mode)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077 and not stat.S_ISLNK(st.st_mode):
+        dio.chmod(path, mode)
 
 
-class _Opening:
-    """Checks, locks and recovers the store directory (part of PrefixStore)."""
+def _lstat(path) -> os.stat_result | None:
+    try:
+        return dio.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
-    def _open_metadata(self) -> None:
+
+def _is_link(path) -> bool:
+    st = _lstat(path)
+    return st is not None and stat.S_ISLNK(st.st_mode)
+
+
+def _is_dir(path) -> bool:
+    """A directory, following a symbolic link (as Path.is_dir)."""
+    try:
+        return stat.S_ISDIR(dio.stat_path(path).st_mode)
+    except OSError:
+        return False
+
+
+def _exists(path) -> bool:
+    return _lstat(path) is not None
+
+
+class StoreOpener:
+    """Checks, locks, opens and recovers a store directory into its state."""
+
+    def __init__(self, state: StoreState, files: LayerFiles) -> None:
+        self.state = state
+        self.files = files
+        self.dir = state.dir
+        self.data_dir = state.data_dir
+        self.quarantine_dir = state.quarantine_dir
+        self.config = state.config
+        self.shape = state.shape
+
+    def open_metadata(self) -> None:
         self._refuse_lost_metadata()
         db = self.dir / "store.sqlite"
         try:
             # Made 0600 before SQLite opens it (its journal files take the same mode).
-            os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            dio.close_fd(dio.open_fd(db, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
             for path in (db, self.dir / "store.sqlite-wal", self.dir / "store.sqlite-shm"):
                 _owner_only(path, 0o600)
         except OSError as exc:
             raise UserError(f"cannot open {db}: {exc.strerror or exc}") from None
-        self.meta = Metadata(str(db))
+        self.state.meta = Metadata(str(db))
         self._init_meta()
         self._recover()
 
-    def _check_directory(self) -> None:
-        if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
+    def check_directory(self) -> None:
+        if _is_link(self.dir) or (_exists(self.dir) and not _is_dir(self.dir)):
             raise UserError(f"store directory {self.dir} is not a directory")
-        if self.dir.is_dir() and any(self.dir.iterdir()) and \
-                not (self.dir / "store.sqlite").exists():
+        if _is_dir(self.dir) and dio.scandir(self.dir) and \
+                not _exists(self.dir / "store.sqlite"):
             raise UserError(f"{self.dir} is not empty and holds no impress_flexgen store; "
                             "choose another --store-dir")
         for path in (self.data_dir, self.quarantine_dir):
-            if path.is_symlink() or (path.exists() and not path.is_dir()):
+            if _is_link(path) or (_exists(path) and not _is_dir(path)):
                 raise UserError(f"{path} is not a directory; the store was left as it is")
         try:
             # Owner only: the database holds prompts' token ids, the files their KV.
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            dio.make_dir(self.dir, 0o700, parents=True)
+            dio.make_dir(self.data_dir, 0o700)
             for path in (self.dir, self.data_dir):
                 _owner_only(path, 0o700)
             # Root ignores permission bits: only a real write proves the directory writable.
             probe = self.dir / f".write-test-{os.getpid()}-{threading.get_ident()}"
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
-            os.unlink(probe)
+            fd = dio.open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            dio.close_fd(fd)
+            dio.unlink(probe)
         except OSError as exc:
             raise UserError(f"cannot write the store directory {self.dir}: "
                             f"{exc.strerror or exc}") from None
 
-    def _lock_directory(self) -> int:
+    def lock_directory(self) -> int:
         try:
-            fd = os.open(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = dio.open_fd(self.dir / "store.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                             0o600)
         except OSError as exc:
             raise UserError(f"cannot open {self.dir / 'store.lock'}: "
                             f"{exc.strerror or exc}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            dio.lock_exclusive(fd)
         except BlockingIOError:
-            os.close(fd)
+            dio.close_fd(fd)
             raise UserError(f"store {self.dir} is in use by another process") from None
         return fd
 
     def _data_entries(self) -> list[str]:
-        return [e.name for e in os.scandir(self.data_dir)]
+        return [e.name for e in dio.scandir(self.data_dir)]
 
     def _refuse_lost_metadata(self) -> None:
         """A missing or empty database beside data files is damage, not a new store:
         opening it as new would delete every file recovery finds unreferenced."""
         db = self.dir / "store.sqlite"
-        if db.is_symlink():
+        if _is_link(db):
             raise UserError(f"store {self.dir}: store.sqlite is a symbolic link; refused")
-        if (not db.exists() or db.stat().st_size == 0) and self._data_entries():
+        if (not _exists(db) or dio.lstat(db).st_size == 0) and self._data_entries():
             raise UserError(f"store {self.dir}: store.sqlite is missing or empty but data/ "
                             "holds files; the store was left as it is (move it away or "
                             "choose another --store-dir)")
@@ -107,14 +143,14 @@ class _Opening:
         want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION, "model": model,
                 "fingerprint": fingerprint, "chunk_size": self.config.chunk_size,
                 "probe_heads": list(self.config.probe_heads),
-                "probe_format": self.config.probe_format, "packed": self.packed}
-        have = self.meta.get_meta()
-        if self.meta.is_empty():
+                "probe_format": self.config.probe_format, "packed": self.state.packed}
+        have = self.state.meta.get_meta()
+        if self.state.meta.is_empty():
             if self._data_entries():
                 raise UserError(f"store {self.dir}: its database holds nothing but data/ "
                                 "holds files; the store was left as it is (move it away or "
                                 "choose another --store-dir)")
-            self._meta_write(lambda: self.meta.set_meta(want), "initialising the store")
+            meta_write(lambda: self.state.meta.set_meta(want), "initialising the store")
             return
         if have.get("format") != STORE_FORMAT:
             raise UserError(f"{self.dir} holds a database that is not an impress_flexgen store")
@@ -149,7 +185,7 @@ class _Opening:
         rows_of: dict[int, tuple] = {}
         bad: dict[int, str] = {}
         children: dict[int | None, list[int]] = {}
-        for row in self.meta.nodes():
+        for row in self.state.meta.nodes():
             nid, parent, start, tokens = row.id, row.parent, row.start, row.tokens
             children.setdefault(parent, []).append(nid)
             if not row.valid:
@@ -158,8 +194,8 @@ class _Opening:
             if len(tokens) == 0 or len(tokens) % c or start < 0 or start % c:
                 bad[nid] = f"{len(tokens)} tokens at {start}: not whole chunks"
                 continue
-            layout = self._layout(len(tokens))
-            layers = self.meta.layers(nid, len(tokens), n_crcs=1 + 2 * layout.n_chunks)
+            layout = self.state.layout(len(tokens))
+            layers = self.state.meta.layers(nid, len(tokens), n_crcs=1 + 2 * layout.n_chunks)
             problems = [r.problem or "invalid row" for r in layers if not r.valid]
             if [r.layer for r in layers] != list(range(self.shape.n_layers)):
                 problems.append(f"{len(layers)} layer rows for {self.shape.n_layers} layers")
@@ -174,7 +210,7 @@ class _Opening:
         frontier: list[int | None] = [None]
         while frontier:
             parent_id = frontier.pop()
-            parent = self.tree.nodes.get(parent_id) if parent_id is not None else None
+            parent = self.state.tree.nodes.get(parent_id) if parent_id is not None else None
             for nid in children.get(parent_id, []):
                 if nid not in rows_of:
                     continue
@@ -193,27 +229,27 @@ class _Opening:
                                  namespace=row.namespace)
                 node.layers = [self._entry(r, len(row.tokens)) for r in layers]
                 try:
-                    self.tree.attach(node)
+                    self.state.tree.attach(node)
                 except ValueError:
                     bad[nid] = "a sibling starts with the same chunk"
                     continue
                 for r in layers:
-                    self.stats[(nid, r.layer)] = self._stats_from_row(r, len(row.tokens))
+                    self.state.stats[(nid, r.layer)] = self._stats_from_row(r, len(row.tokens))
                 attached.add(nid)
                 frontier.append(nid)
         dropped = [nid for nid, _ in rows_of.items() if nid not in attached] + list(bad)
         if dropped:
             self._drop_rows(dropped, bad)
-        referenced = self.meta.referenced_files()
+        referenced = self.state.meta.referenced_files()
         removed = 0
-        for entry in os.scandir(self.data_dir):
+        for entry in dio.scandir(self.data_dir):
             if entry.name in referenced:
                 continue
             if entry.is_dir(follow_symlinks=False):
                 log.warning("store %s: leaving unexpected directory %s alone", self.dir,
                             entry.path)
                 continue
-            os.unlink(entry.path)       # a link goes, never what it points to
+            dio.unlink(entry.path)      # a link goes, never what it points to
             removed += 1
         if removed:
             log.info("removed %d uncommitted files from %s", removed, self.data_dir)
@@ -222,32 +258,27 @@ class _Opening:
         """Delete the rows of nodes recovery cannot serve; keep their files for inspection."""
         names = []
         for nid in node_ids:
-            names += [r.file for r in self.meta.layers(nid, 0, n_crcs=None)
+            names += [r.file for r in self.state.meta.layers(nid, 0, n_crcs=None)
                       if valid_file_name(r.file)]
         for nid in node_ids:
             if nid in why:
                 log.warning("store %s: node %d not served (%s): its prefix will be recomputed",
                             self.dir, nid, why[nid])
-        self.metrics.invalid_rows += len(why)
-        self.metrics.quarantined_nodes += len(node_ids)
+        self.state.metrics.invalid_rows += len(why)
+        self.state.metrics.quarantined_nodes += len(node_ids)
 
         def delete():
-            with self.meta.transaction():
+            with self.state.meta.transaction():
                 for nid in node_ids:
-                    self.meta.delete_node(nid)
-        self._meta_write(delete, "dropping damaged rows")
+                    self.state.meta.delete_node(nid)
+        meta_write(delete, "dropping damaged rows")
         for name in names:
-            self._quarantine_file(self.data_dir / name)
-        self._trim_quarantine()
-
-    def _layout(self, n_tokens: int) -> LayerFileLayout:
-        return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
-                               self.shape.head_dim, len(self.config.probe_heads),
-                               self.config.probe_format, self.packed)
+            self.files.quarantine_file(self.data_dir / name)
+        self.files.trim_quarantine()
 
     def _entry(self, row: LayerRow, n_tokens: int) -> LayerEntry:
         return LayerEntry(row.node, row.layer, row.version, str(self.data_dir / row.file),
-                          self._layout(n_tokens), row.mapping, row.crcs)
+                          self.state.layout(n_tokens), row.mapping, row.crcs)
 
     def _stats_from_row(self, row: LayerRow, n_tokens: int) -> LayerStats:
         """Soft state from a row; any piece of the wrong size starts fresh (it is a hint)."""

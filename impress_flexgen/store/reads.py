@@ -7,16 +7,18 @@ import dataclasses
 import numpy as np
 import torch
 
+from disk_layout import io as dio
 from disk_layout.format import ALIGN, align_up, decode_probe
 from disk_layout.io import ChecksumMismatch
 
 from .config import CorruptNode
 from .entries import LayerEntry
+from .state import StoreState
 
 
 @dataclasses.dataclass
 class _ProbeRead:
-    """A probe section in flight (PrefixStore.start_probe)."""
+    """A probe section in flight (DiskReads.start_probe)."""
 
     entry: LayerEntry
     node: object
@@ -25,7 +27,7 @@ class _ProbeRead:
 
 @dataclasses.dataclass
 class _ChunkRead:
-    """Chunk reads of one layer file in flight (PrefixStore._start_chunks): the ids asked
+    """Chunk reads of one layer file in flight (DiskReads.start_chunks): the ids asked
     for per kind, and, when anything is read, the reads sorted by offset."""
 
     entry: LayerEntry
@@ -39,9 +41,11 @@ class _ChunkRead:
     handle: object = None
 
 
+class DiskReads:
+    """Disk reads of stored layer files, on the store's reader threads."""
 
-class _Reads:
-    """Disk reads of stored layer files (part of PrefixStore)."""
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
 
     def read_probe(self, entry: LayerEntry, node=None) -> torch.Tensor:
         """The probe heads' keys for every token of the node, float32, physical order."""
@@ -59,34 +63,30 @@ class _Reads:
         entry, lay = pending.entry, pending.entry.layout
         (run,) = self._wait(entry, pending.node, pending.handle,
                             lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")
-        with self.lock:
-            self.metrics.probe_bytes_read += lay.probe_stride
+        with self.state.lock:
+            self.state.metrics.probe_bytes_read += lay.probe_stride
         return decode_probe(run.data[:lay.probe_bytes], lay.probe_format,
                             (lay.n_probe, lay.n_tokens, lay.head_dim))
 
     def _submit(self, entry: LayerEntry, node, extents, checks):
         """Start reads of `entry`'s file; any failure to open it raises CorruptNode."""
         try:
-            return self.reader.submit(entry.path, extents, checks)
+            return self.state.reader.submit(entry.path, extents, checks)
         except OSError as exc:
-            self._count_corruption()
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
+            self.state.count_corruption()
+            raise CorruptNode(self.state.node_of(node, entry), f"{entry.path}: {exc}") from None
 
     def _wait(self, entry: LayerEntry, node, handle, describe):
         """The runs of a _submit(), read and CRC-checked; a mismatch (described by
         describe(extent index)) or any read error (short, EIO, ...) raises CorruptNode."""
         try:
-            return self.reader.wait(handle)
+            return self.state.reader.wait(handle)
         except ChecksumMismatch as exc:
-            self._count_corruption()
-            raise CorruptNode(self._node(node, entry), describe(exc.index)) from None
+            self.state.count_corruption()
+            raise CorruptNode(self.state.node_of(node, entry), describe(exc.index)) from None
         except OSError as exc:
-            self._count_corruption()
-            raise CorruptNode(self._node(node, entry), f"{entry.path}: {exc}") from None
-
-    def _count_corruption(self) -> None:
-        with self.lock:
-            self.metrics.corruptions += 1
+            self.state.count_corruption()
+            raise CorruptNode(self.state.node_of(node, entry), f"{entry.path}: {exc}") from None
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
         """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each.
@@ -94,18 +94,18 @@ class _Reads:
         The tensors are views of the buffers the reads landed in (no copy): writable, and
         each keeps its run of adjacent chunks in memory while it lives (the tiers copy).
         """
-        return self._read_chunks(entry, kind, chunk_ids, node)[0]
+        return self.read_chunks_counted(entry, kind, chunk_ids, node)[0]
 
-    def _read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None
+    def read_chunks_counted(self, entry: LayerEntry, kind: str, chunk_ids, node=None
                      ) -> tuple[list[torch.Tensor], int]:
         """read_chunks() and the bytes read from disk for them (padding included)."""
-        chunks, nbytes = self._finish_chunks(self._start_chunks(entry, {kind: chunk_ids}, node))
+        chunks, nbytes = self.finish_chunks(self.start_chunks(entry, {kind: chunk_ids}, node))
         return chunks[kind], nbytes
 
-    def _start_chunks(self, entry: LayerEntry, wanted: dict, node=None) -> "_ChunkRead":
+    def start_chunks(self, entry: LayerEntry, wanted: dict, node=None) -> "_ChunkRead":
         """Submit reads of chunks of several kinds ({"k": ids, "v": ids}) of one layer file,
         all in flight together (one round trip to the disk, not one per kind);
-        _finish_chunks() waits for them."""
+        finish_chunks() waits for them."""
         lay = entry.layout
         ids_of = {kind: np.asarray([int(i) for i in chunk_ids], dtype=np.int64)
                   for kind, chunk_ids in wanted.items()}
@@ -127,7 +127,7 @@ class _Reads:
         read.handle = self._submit(entry, node, extents, checks)
         return read
 
-    def _finish_chunks(self, read: "_ChunkRead") -> tuple[dict[str, list[torch.Tensor]], int]:
+    def finish_chunks(self, read: "_ChunkRead") -> tuple[dict[str, list[torch.Tensor]], int]:
         if read.handle is None:
             return {kind: [] for kind in read.ids_of}, 0
 
@@ -144,16 +144,14 @@ class _Reads:
         for kind, ids in read.ids_of.items():
             out[kind] = unsorted[at:at + len(ids)]
             at += len(ids)
-        with self.lock:
-            self.metrics.chunks_read += len(read.all_ids)
-            self.metrics.bytes_read += read.nbytes
+        with self.state.lock:
+            self.state.metrics.chunks_read += len(read.all_ids)
+            self.state.metrics.bytes_read += read.nbytes
         return out, read.nbytes
 
     def _plan_aligned(self, entry: LayerEntry, offs, crcs):
         """Page-aligned layout: every chunk is whole pages, runs of them are single reads.
         offs: sorted chunk offsets. Returns (extents, checks, assemble(runs), bytes)."""
-        from disk_layout.io import Extents
-
         lay = entry.layout
         stride = lay.chunk_stride
         shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
@@ -166,18 +164,16 @@ class _Reads:
                 chunks.extend(payload.view(m, *shape).unbind(0))
             return chunks
 
-        return Extents(offs, stride, lay.chunk_bytes, crcs), None, assemble, len(offs) * stride
+        return dio.Extents(offs, stride, lay.chunk_bytes, crcs), None, assemble, len(offs) * stride
 
     def _plan_packed(self, entry: LayerEntry, offs, crcs):
         """Packed layout: each run of adjacent chunks is read as the pages it touches.
         offs: sorted chunk offsets. Returns (extents, checks, assemble(runs), bytes)."""
-        from disk_layout.io import MAX_RUN_BYTES
-
         lay = entry.layout
         size = lay.chunk_bytes
         breaks = np.flatnonzero(offs[1:] != offs[:-1] + size) + 1
         bounds = [0, *breaks.tolist(), len(offs)]
-        per_run = max(1, MAX_RUN_BYTES // size)
+        per_run = max(1, dio.MAX_RUN_BYTES // size)
         groups, extents = [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
             for g0 in range(a, b, per_run):

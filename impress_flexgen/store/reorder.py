@@ -5,24 +5,38 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
-import uuid
 
 import numpy as np
 import torch
 
+from disk_layout import io as dio
 from disk_layout.metadata import LayerRow
 
 from ..radix import RadixNode
 from .config import CorruptNode, StoreWriteFailed
 from .entries import LayerEntry, LayerStats
+from .eviction import Removal
+from .files import LayerFiles, new_file_name
+from .importance import Importance
+from .reads import DiskReads
+from .state import StoreState, meta_write
 
 log = logging.getLogger("impress_flexgen.store")
 
 
-class _Reorders:
-    """Copy-on-write reorders (part of PrefixStore)."""
+class Reorderer:
+    """Copy-on-write reorders of a node's layers. `tiers`: the TierStack whose copies of a
+    replaced version are dropped."""
+
+    def __init__(self, state: StoreState, files: LayerFiles, reads: DiskReads,
+                 removal: Removal, importance: Importance, tiers) -> None:
+        self.state = state
+        self.files = files
+        self.reads = reads
+        self.removal = removal
+        self.importance = importance
+        self.tiers = tiers
 
     def reorder_node(self, node: RadixNode, layers=None) -> int:
         """Rewrite layers of `node` so tokens sit in order of accumulated importance.
@@ -32,85 +46,85 @@ class _Reorders:
         """
         # One reorder at a time (background and on-demand ones would race on the same
         # versions), and the node pinned like a request: nothing deletes the files we read.
-        with self._reorder_lock:
-            with self.lock:
+        with self.state.reorder_lock:
+            with self.state.lock:
                 if not node.live:
                     return 0
-                self.tree.pin(node)
+                self.state.tree.pin(node)
             try:
                 return self._reorder_pinned(node, layers)
             except CorruptNode as exc:
-                self.quarantine(exc.node, str(exc))
+                self.removal.quarantine(exc.node, str(exc))
                 return 0
             finally:
-                with self.lock:
-                    for freed in self.tree.unpin(node):
-                        self._delete_retired(freed)
+                with self.state.lock:
+                    for freed in self.state.tree.unpin(node):
+                        self.files.delete_retired(freed)
 
     def _reorder_pinned(self, node: RadixNode, layers) -> int:
         done = 0
-        for layer in (range(self.shape.n_layers) if layers is None else layers):
-            with self.lock:
+        for layer in (range(self.state.shape.n_layers) if layers is None else layers):
+            with self.state.lock:
                 if not node.live:
                     return done
                 old = node.layers[layer]
-                stats = self.stats[(node.id, layer)]
+                stats = self.state.stats[(node.id, layer)]
                 importance = stats.importance.copy()
                 stats.dirty = False
-            if self.config.reorder_by == "semantic":
+            if self.state.config.reorder_by == "semantic":
                 if old.mapping is not None:
                     continue                      # query-agnostic: laid out once
-                k, v = self.read_layer(old, node)
+                k, v = self.reads.read_layer(old, node)
                 order = self._semantic_order(node, k)
             else:
                 order = self._importance_order(node, importance)
                 if old.mapping is not None and np.array_equal(order, old.mapping):
                     continue
-                k, v = self.read_layer(old, node)
-            name = f"{uuid.uuid4().hex}.kv"
+                k, v = self.reads.read_layer(old, node)
+            name = new_file_name()
             try:
-                crcs = self._write_layer_file(self.data_dir / name, old.layout, k, v, order)
+                crcs = self.files.write_layer_file(self.state.data_dir / name, old.layout, k, v,
+                                                   order)
             except OSError as exc:
-                (self.data_dir / name).unlink(missing_ok=True)
+                dio.unlink_missing_ok(self.state.data_dir / name)
                 log.warning("reorder of node %d layer %d skipped: %s", node.id, layer, exc)
                 continue
-            with self.lock:
+            with self.state.lock:
                 if not node.live or node.layers[layer] is not old:
-                    os.unlink(self.data_dir / name)
+                    dio.unlink(self.state.data_dir / name)
                     continue
-                new = LayerEntry(node.id, layer, old.version + 1, str(self.data_dir / name),
+                new = LayerEntry(node.id, layer, old.version + 1, str(self.state.data_dir / name),
                                  old.layout, order, crcs)
                 # The statistics follow the new layout only once it is committed.
                 moved = dataclasses.replace(stats, bitmaps=stats.bitmaps.copy(),
                                             access=stats.access.copy(), ratio=stats.ratio.copy())
                 moved.relayout(old.mapping, order)
                 try:
-                    self._meta_write(lambda: self._commit_layer(new, name, moved), "reordering")
+                    meta_write(lambda: self._commit_layer(new, name, moved), "reordering")
                 except StoreWriteFailed as exc:
-                    os.unlink(self.data_dir / name)
+                    dio.unlink(self.state.data_dir / name)
                     log.warning("reorder of node %d layer %d skipped: %s", node.id, layer, exc)
                     continue
                 stats.bitmaps[:], stats.access[:], stats.ratio[:] = \
                     moved.bitmaps, moved.access, moved.ratio
                 node.layers[layer] = new
                 node.retired_files.append(old.path)
-                if self.cache is not None:
-                    self.cache.invalidate_version(node.id, layer, old.version)
-                self.metrics.reorders += 1
+                self.tiers.invalidate_version(node.id, layer, old.version)
+                self.state.metrics.reorders += 1
                 done += 1
         return done
 
     def _commit_layer(self, new: LayerEntry, name: str, stats: LayerStats) -> None:
-        with self.meta.transaction():
-            self.meta.put_layer(LayerRow(new.node_id, new.layer, new.version, name, new.mapping,
-                                         new.crcs, stats.importance, stats.bitmaps,
-                                         stats.access, stats.ratio))
+        with self.state.meta.transaction():
+            self.state.meta.put_layer(LayerRow(new.node_id, new.layer, new.version, name,
+                                               new.mapping, new.crcs, stats.importance,
+                                               stats.bitmaps, stats.access, stats.ratio))
 
     def _movable_range(self, node: RadixNode, n: int) -> tuple[int, int]:
         """Tokens [lo, hi) a reorder may move: all, or all but the sink chunk (of a node that
         starts the prefix) and the last chunk."""
-        c, lo, hi = self.config.chunk_size, 0, n
-        if self.config.reorder_keep_ends:
+        c, lo, hi = self.state.config.chunk_size, 0, n
+        if self.state.config.reorder_keep_ends:
             if node.start == 0:
                 lo = c
             if n - c >= lo:
@@ -119,12 +133,12 @@ class _Reorders:
 
     def _importance_order(self, node: RadixNode, importance: np.ndarray) -> np.ndarray:
         """Physical -> logical mapping: most important first, sink and last chunk in place."""
-        c, n = self.config.chunk_size, len(importance)
+        c, n = self.state.config.chunk_size, len(importance)
         lo, hi = self._movable_range(node, n)
         ranked = np.argsort(-importance[lo:hi], kind="stable")
-        if self.config.reorder_hot_fraction < 1:
+        if self.state.config.reorder_hot_fraction < 1:
             # The hot set fills whole chunks; cold tokens stay in positional order.
-            hot_n = math.ceil(self.config.reorder_hot_fraction * (hi - lo) / c) * c
+            hot_n = math.ceil(self.state.config.reorder_hot_fraction * (hi - lo) / c) * c
             hot = ranked[:hot_n]
             hot = hot[importance[lo:hi][hot] > 0]
             cold = np.ones(hi - lo, dtype=bool)
@@ -138,7 +152,7 @@ class _Reorders:
         keys of a token, each head normalised, side by side), sink and last chunk in place."""
         from policies.page_index import balanced_kmeans  # policies import the engine's modules
 
-        c, n = self.config.chunk_size, k.shape[1]
+        c, n = self.state.config.chunk_size, k.shape[1]
         lo, hi = self._movable_range(node, n)
         if hi - lo <= c:
             return np.arange(n, dtype=np.int64)
@@ -150,21 +164,18 @@ class _Reorders:
 
     def reorder_dirty(self) -> int:
         """Reorder every node whose importance changed since its last reorder."""
-        with self.lock:
-            nodes = [n for n in self.tree.nodes.values()
-                     if any(getattr(self.stats.get((n.id, layer)), "dirty", False)
-                            for layer in range(self.shape.n_layers))]
+        with self.state.lock:
+            nodes = [n for n in self.state.tree.nodes.values()
+                     if any(getattr(self.state.stats.get((n.id, layer)), "dirty", False)
+                            for layer in range(self.state.shape.n_layers))]
         done = sum(self.reorder_node(n) for n in nodes)
-        self.flush_stats()
+        self.importance.flush_stats()
         return done
-
-    def reorder_now(self) -> int:
-        """Reorder on demand, in the caller's thread."""
-        return self.reorder_dirty()
 
 
 class ReorderEngine:
-    """Background thread: reorders dirty nodes every `reorder_interval` queries."""
+    """Background thread: reorders dirty nodes every `reorder_interval` queries.
+    `store`: anything with reorder_dirty() and config (the store, or its Reorderer)."""
 
     def __init__(self, store):
         self.store = store

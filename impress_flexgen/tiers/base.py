@@ -1,8 +1,10 @@
 """The tier interface: what every place that can hold a chunk's KV offers.
 
 Tiers are listed fastest first (GPU memory, CPU memory, the local disk store, a remote
-pool), in one place (`TierConfig`); the engine asks the list for chunks and never names a
-tier. Every tier answers the same six questions:
+pool), in one place (`TierConfig`). A store's loads go through its `TierStack` (stack.py):
+the memory chain, then the disk tier; the engine never names a tier. The remote pool is
+asked separately, for whole chunks past the local match (store/shared.py). Every tier
+answers the same questions:
 
     tier.contains(key)              is the chunk held here (no access counted)?
     tier.batch_exists(keys)         how many of `keys`, from the first, are held?

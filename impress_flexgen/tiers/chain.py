@@ -198,6 +198,12 @@ class ChunkCache:
                 self._bury_version(node_id, layer, version)
             return dropped
 
+    def forget(self, keys: list[ChunkKey]) -> int:
+        """Drop these keys' copies and statistics, without a tombstone (they may come
+        back); returns tier copies dropped."""
+        with self._lock:
+            return self._forget(keys)
+
     def clear(self) -> None:
         """Drop every cached copy and all statistics (metrics are kept; see reset_metrics).
         Tombstones are kept: reads in flight may still try to admit invalidated chunks."""

@@ -121,7 +121,7 @@ def test_store_survives_restart_in_a_new_process(tmp_path):
     code = textwrap.dedent(f"""
         import numpy as np, torch, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from tests.test_store import SHAPE, config, stored_kv, make_kv, bits
+        from tests.test_prefix_store import SHAPE, config, stored_kv, make_kv, bits
         from impress_flexgen.store import PrefixStore
         tokens = np.arange({5 * C})
         with PrefixStore({str(tmp_path / 's')!r}, SHAPE, config()) as store:
@@ -330,7 +330,7 @@ def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
     cache = ChunkCache(TierConfig(gpu_bytes=3 * chunk, cpu_bytes=4 * chunk, policy=policy,
                                   exclusive=exclusive))
     rng = np.random.default_rng(2)
-    with PrefixStore(tmp_path / "s", SHAPE, config(), cache=cache) as store:
+    with PrefixStore(tmp_path / "s", SHAPE, config(), memory=cache) as store:
         (node,) = store.insert(tokens, 0, make_kv(len(tokens), seed=11))
         served = {"gpu": 0, "cpu": 0, "disk": 0}
         for _ in range(60):
@@ -371,11 +371,11 @@ def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
         for _ in range(30):
             ids = rng.choice(20, size=int(rng.integers(1, 21)), replace=False).tolist()
             for kind, full in (("k", kv[0][0]), ("v", kv[0][1])):
-                chunks, nbytes = store._read_chunks(entry, kind, ids, node)
+                chunks, nbytes = store.reads.read_chunks_counted(entry, kind, ids, node)
                 for i, t in zip(ids, chunks):
                     assert torch.equal(t, full[:, i * chunk_size:(i + 1) * chunk_size])
                 assert nbytes % 4096 == 0
-        _, run_bytes = store._read_chunks(entry, "k", list(range(20)), node)
+        _, run_bytes = store.reads.read_chunks_counted(entry, "k", list(range(20)), node)
         assert run_bytes < 20 * entry.layout.chunk_bytes + 2 * 4096
         # A corrupt packed chunk is detected and names its chunk.
         with open(entry.path, "r+b") as f:
@@ -384,7 +384,7 @@ def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
             f.seek(entry.layout.chunk_offset("v", 7) + 5)
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(CorruptNode, match="V chunk 7"):
-            store._read_chunks(entry, "v", [6, 7, 8], node)
+            store.reads.read_chunks_counted(entry, "v", [6, 7, 8], node)
 
 
 @pytest.mark.parametrize("hot", [0.25, 1.0])
@@ -506,14 +506,14 @@ def test_prefetched_chunks_serve_a_load_as_a_disk_read_would(tmp_path):
     outcomes = []
     for ahead in (False, True):
         cache = ChunkCache(TierConfig(gpu_bytes=0, cpu_bytes=6 * chunk, policy="lru"))
-        with PrefixStore(tmp_path / f"s{ahead}", SHAPE, config(), cache=cache) as store:
+        with PrefixStore(tmp_path / f"s{ahead}", SHAPE, config(), memory=cache) as store:
             (node,) = store.insert(np.arange(n), 0, kv)
             entry = store.entry(node, 0)
             store.load_chunks(entry, "k", [1, 2], node)            # now in the CPU tier
             early = None
             if ahead:
                 read = store.start_prefetch(entry, {"k": [1, 2, 3, 4], "v": [4]}, node)
-                assert read.ids_of["k"].tolist() == [3, 4]     # tier-resident ones skipped
+                assert read.ids("k") == [3, 4]     # tier-resident ones skipped
                 early, nbytes = store.finish_prefetch(read)
                 assert nbytes > 0
             load = store.submit(entry, {"k": [2, 3, 5], "v": [4, 6]}, node,

@@ -93,7 +93,7 @@ def test_node_ids_are_never_reused_after_eviction_and_reopen(tmp_path):
 def test_stale_tier_copies_of_a_split_node_are_refused(tmp_path):
     """A load through the tiers with an entry of a node that a split replaced (as decode over
     the full prefix does after its own insert) must not leave copies under the dead id."""
-    with PrefixStore(tmp_path / "s", SHAPE, config(), cache=tiers()) as store:
+    with PrefixStore(tmp_path / "s", SHAPE, config(), memory=tiers()) as store:
         a = tokens_of(1, 4 * C)
         store.insert(a, 0, make_kv(a))
         match = store.match_prefix(a)                  # the request holds the node
@@ -106,13 +106,13 @@ def test_stale_tier_copies_of_a_split_node_are_refused(tmp_path):
             store.load_kv_chunks(entry, {"k": [0, 1], "v": [0, 1]}, node)
         store.release(match)
         for tier in ("gpu", "cpu"):
-            assert not [k for k in store.cache.resident_keys(tier) if k[0] == node.id]
+            assert not [k for k in store.tiers.cache.resident_keys(tier) if k[0] == node.id]
         assert_exact(store, a, 4 * C)
         assert_exact(store, b, 4 * C)
 
 
 def test_late_read_after_split_then_new_prefix_serves_its_own_kv(tmp_path):
-    with PrefixStore(tmp_path / "s", SHAPE, config(), cache=tiers()) as store:
+    with PrefixStore(tmp_path / "s", SHAPE, config(), memory=tiers()) as store:
         a = tokens_of(3, 4 * C)
         store.insert(a, 0, make_kv(a))
         match = store.match_prefix(a)
@@ -312,7 +312,7 @@ def test_reorder_keeps_its_statistics_when_the_commit_fails(tmp_path, monkeypatc
 
         def full(*_a, **_k):
             raise StoreFull("metadata database full while reordering")
-        monkeypatch.setattr(store, "_meta_write", full)
+        monkeypatch.setattr("impress_flexgen.store.reorder.meta_write", full)
         assert store.reorder_node(node, [0]) == 0
         assert store.entry(node, 0) is entry
         for a, b in zip(before, (stats.bitmaps, stats.access, stats.ratio)):
