@@ -24,7 +24,7 @@ def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
         got = [stack.engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
     finally:
         stack.close()
-    assert stack.store._closed
+    assert stack.store.closed
     policy = make_policy("impress", cfg)
     store = open_store(tmp_path / "b", rt, cfg, policy, chunk_size=16)
     try:
@@ -67,7 +67,7 @@ def test_the_store_is_closed_when_the_engine_cannot_be_built(tiny_runtimes, tmp_
     monkeypatch.setattr(assemble_module, "Engine", failing_engine)
     with pytest.raises(UserError, match="no engine"):
         assemble(tiny_runtimes["opt-tiny"], make_policy("full"), StoreSpec(tmp_path / "s"))
-    assert opened and opened[0]._closed
+    assert opened and opened[0].closed
 
 
 def test_the_timer_adds_the_block_less_the_excluded_stats(monkeypatch):

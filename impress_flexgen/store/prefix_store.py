@@ -156,6 +156,10 @@ class PrefixStore:
     def overheads(self) -> dict:
         return self.accounting.overheads()
 
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
+
     def close(self) -> None:
         state = self.state
         if state.closed:
