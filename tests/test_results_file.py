@@ -49,15 +49,18 @@ def _fail_serving_after(monkeypatch, n):
     """The engine fails every request after the first n (as a bad request would)."""
     from impress_flexgen.engine import Engine
 
-    start, calls = Engine.start, []
+    # Every request is opened (matched and planned) by _open, alone or in a shared pass.
+    opened, seen = Engine._open, []
 
     def failing(self, request, *args, **kwargs):
-        calls.append(1)
-        if len(calls) > n:
+        prompt = [*request.prefix, *request.query]
+        if prompt not in seen:
+            seen.append(prompt)
+        if seen.index(prompt) >= n:
             raise UserError("the engine refused this request")
-        return start(self, request, *args, **kwargs)
+        return opened(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "start", failing)
+    monkeypatch.setattr(Engine, "_open", failing)
 
 
 def test_a_failed_rerun_leaves_the_earlier_output_untouched(tmp_path, capsys, monkeypatch):

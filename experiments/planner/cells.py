@@ -41,7 +41,7 @@ def _run(policy: str, plan: str, args) -> RunConfig:
 def set_read_limit(store, mb_s: float | None) -> None:
     """Hold the store's disk reads to mb_s MB/s from now on (None: unlimited)."""
     store.reader.limit = ReadLimit(mb_s * 1e6) if mb_s else None
-    store.config = dataclasses.replace(store.config, read_limit_mb_s=mb_s)
+    store.state.config = dataclasses.replace(store.config, read_limit_mb_s=mb_s)
 
 
 def _planner_engine(rt, ready, policy: str, args, tiers) -> Engine:
