@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .batch_prefill import start_together
+from .engine.batch_prefill import start_together
 from .errors import UserError
 
 log = logging.getLogger("impress_flexgen.scheduler")

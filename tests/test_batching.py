@@ -223,7 +223,7 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
 def test_a_failed_pass_serves_its_requests_alone(tiny_runtimes, tmp_path, monkeypatch):
     """Anything failing inside a shared pass (corrupt stored KV, a lost pool chunk, ...)
     serves each of its requests alone, with the engine's own recovery: same answers."""
-    from impress_flexgen import batch_prefill
+    from impress_flexgen.engine import batch_prefill
 
     real = batch_prefill.prefill_pass
 

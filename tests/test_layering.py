@@ -60,6 +60,14 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, dict[st
                     found = known(target)
                     if found and found != mod:
                         edges.setdefault(found, node.lineno)
+                    # Importing a.b.c first runs the packages a.b above it, unless they
+                    # already are running (the importer's own packages).
+                    parent = (found or "").rpartition(".")[0]
+                    while parent and parent != package:
+                        if parent in files and not mod.startswith(parent + ".") and \
+                                parent != mod:
+                            edges.setdefault(parent, node.lineno)
+                        parent = parent.rpartition(".")[0]
         graph[mod] = edges
     return graph
 
@@ -143,5 +151,20 @@ def test_the_checker_finds_a_circle_through_a_lazy_import(tmp_path):
     (pkg / "c.py").write_text("def g():\n    from impress_flexgen import a\n")
     (pkg / "d.py").write_text("from . import c\n")
     graph = import_graph(tmp_path)
-    assert graph[f"{PACKAGE}.a"] == {f"{PACKAGE}.sub.b": 1}
+    # a imports sub.b, which first runs the package sub.
+    assert graph[f"{PACKAGE}.a"] == {f"{PACKAGE}.sub.b": 1, f"{PACKAGE}.sub": 1}
     assert cycles(graph) == [[f"{PACKAGE}.a", f"{PACKAGE}.c", f"{PACKAGE}.sub.b"]]
+
+
+def test_the_checker_finds_a_circle_through_a_package_init(tmp_path):
+    """Importing pkg.engine.x runs pkg/engine/__init__.py first: a module that pkg.engine's
+    modules import, and that imports pkg.engine.x, is in a circle with them."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("from .core import Engine\n")
+    (pkg / "engine" / "core.py").write_text("from ..prefill import Job\nclass Engine: ...\n")
+    (pkg / "engine" / "reads.py").write_text("class Reads: ...\n")
+    (pkg / "prefill.py").write_text("from .engine.reads import Reads\nclass Job: ...\n")
+    assert cycles(import_graph(tmp_path)) == [
+        [f"{PACKAGE}.engine", f"{PACKAGE}.engine.core", f"{PACKAGE}.prefill"]]

@@ -39,7 +39,7 @@ import torch
 
 from policies import ServingPolicy
 
-from ..batch_prefill import PrefillJob, prefill_pass
+from .batch_prefill import PrefillJob, prefill_pass
 from ..batch_runner import BatchRunner
 from ..errors import UserError
 from ..planner.context import ContextKV

@@ -11,7 +11,7 @@ import torch
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
-from ..batch_prefill import PassInput, prefill_pass
+from .batch_prefill import PassInput, prefill_pass
 from ..models.base import dense
 from ..request import RequestStats
 from ..runtime import Runtime

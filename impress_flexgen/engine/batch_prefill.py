@@ -21,9 +21,9 @@ import time
 import torch
 from flexgen.pytorch_backend import TorchTensor
 
-from .errors import UserError
-from .request import RequestStats
-from .engine.readahead import ReadAhead
+from ..errors import UserError
+from ..request import RequestStats
+from .readahead import ReadAhead
 
 log = logging.getLogger("impress_flexgen.batch_prefill")
 
