@@ -35,14 +35,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, dict[st
     for mod, path in files.items():
         base = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         edges: dict[str, int] = {}
-        tree = ast.parse(path.read_text(), str(path))
-        # Imports only a type checker runs (`if TYPE_CHECKING:`) are not dependencies.
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and ast.unparse(block.test).endswith("TYPE_CHECKING")
-                       for stmt in block.body for n in ast.walk(stmt)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

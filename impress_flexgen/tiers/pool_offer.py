@@ -19,12 +19,11 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .pool import SharedPrefix
+from .remote import RedisTier, RemoteNamespace
 
 log = logging.getLogger("impress_flexgen.tiers.remote")
 
@@ -36,10 +35,20 @@ MEMO_CHUNKS = 1 << 16
 WAITING = 2
 
 
+class OfferTarget(Protocol):
+    """What an offer needs of the pool client (pool.SharedPrefix), which owns the offers."""
+
+    tier: RedisTier
+    tier_name: str
+    namespace: RemoteNamespace
+    chunk_size: int
+    n_layers: int
+
+
 class StoredOffers:
     """A thread that publishes chunks this store holds and the pool does not."""
 
-    def __init__(self, pool: SharedPrefix, store) -> None:
+    def __init__(self, pool: OfferTarget, store) -> None:
         self.pool = pool
         self.store = store
         self._cv = threading.Condition()
