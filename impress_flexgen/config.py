@@ -130,6 +130,9 @@ class ServiceConfig:
     timeout_s: float = 600.0                # per request, from its arrival
     max_batch_size: int = 8                 # requests decoded together (continuous batching)
     max_batch_tokens: int = 8192            # tokens per step: decode plus prefilled prompts
+    # An idle server waits this long after a request for others arriving with it: without
+    # it, clients that send at once see the first prefilled alone and the rest wait for it.
+    batch_gather_s: float = 0.01
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -145,6 +148,8 @@ class ServiceConfig:
             raise UserError("the request timeout must be a positive number of seconds")
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
             raise UserError("the batch must hold at least 1 request and 1 token")
+        if not 0 <= self.batch_gather_s <= 10:
+            raise UserError("the batch gather wait must be between 0 and 10 seconds")
         fold = object.__setattr__    # frozen: only here, while the object is being made
         if model is not None:
             fold(self, "runtime", dataclasses.replace(self.runtime, model=model))
@@ -186,6 +191,8 @@ class ServiceConfig:
                                 seed=args.seed, dtype=dtype_of(args.dtype))
         batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens")
                     if getattr(args, k, None) is not None}
+        if getattr(args, "batch_gather_ms", None) is not None:
+            batching["batch_gather_s"] = args.batch_gather_ms / 1000
         return cls(runtime=runtime, run=run, tiers=tiers, store=store, **{**batching, **fields})
 
     def runtime_config(self) -> RuntimeConfig:

@@ -67,6 +67,7 @@ class RequestStats:
     plan: str = "load"
     plan_split: int = 0
     predicted_ttft_s: float = 0.0
+    plan_s: float = 0.0              # the planner's own time choosing the plan
     # Why: "predicted", "explore" (tried again to measure it), "forced" (configured) or
     # "no-match" (nothing stored to plan over).
     plan_reason: str = "no-match"

@@ -189,13 +189,22 @@ class Service:
 
     def _work(self) -> None:
         """The scheduler loop: take queued tickets while the batch has room (blocking when
-        nothing runs), then one scheduler step (admit, prefill, one decode step)."""
+        nothing runs, then taking those that arrive within batch_gather_s of each other),
+        then one scheduler step (admit, prefill, one decode step)."""
         sched = self.scheduler
+        gather_s = self.config.batch_gather_s
         closing = False
         while True:
+            gathering = False
             while not closing and sched.room():
                 try:
-                    ticket = self._queue.get() if not sched.busy else self._queue.get_nowait()
+                    if not sched.busy:          # idle: wait for a request, then its burst
+                        ticket = self._queue.get()
+                        gathering = gather_s > 0
+                    elif gathering:
+                        ticket = self._queue.get(timeout=gather_s)
+                    else:
+                        ticket = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if ticket is None:

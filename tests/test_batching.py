@@ -8,6 +8,8 @@ another of them stores: it waits for a second pass and loads it, as when served 
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -236,3 +238,65 @@ def test_a_failed_pass_serves_its_requests_alone(tiny_runtimes, tmp_path, monkey
     monkeypatch.setattr(batch_prefill, "prefill_pass", fails_when_shared)
     _, batched = serve_both(tiny_runtimes["llama-tiny"], tmp_path / "b", "full", 1.0)
     check_equal(alone, batched)
+
+
+@pytest.mark.parametrize("gather_s", [0.5, 0.0])
+def test_an_idle_service_gathers_a_burst_into_one_pass(tiny_runtimes, tmp_path, monkeypatch,
+                                                        gather_s):
+    """Requests sent at once to an idle service are prefilled in one pass when it waits
+    batch_gather_s for the burst; with no wait the first one goes alone (the worker takes it
+    as soon as it arrives, held here until the others are queued)."""
+    import threading
+
+    from impress_flexgen import scheduler as sched_mod
+    from impress_flexgen.service import Service, ServiceConfig
+
+    rt = tiny_runtimes["llama-tiny"]
+    passes = []
+    real = sched_mod.Scheduler._prefill
+
+    def record(self, works):
+        passes.append(len(works))
+        return real(self, works)
+
+    monkeypatch.setattr(sched_mod.Scheduler, "_prefill", record)
+    config = ServiceConfig(model="llama-tiny", store_root=tmp_path, max_batch_size=4,
+                           queue_size=8, batch_gather_s=gather_s)
+    with Service(config, runtime=rt) as service:
+        jobs = [service.frontend.build(prompt=f"Burst {i}: " + "a few words " * (2 + i),
+                                       max_tokens=2) for i in range(3)]
+        admitted = threading.Event()
+        real_admit = service._admit
+
+        def admit(ticket):
+            real_admit(ticket)
+            admitted.set()
+
+        service._admit = admit
+        first = service.submit(jobs[0])
+        assert admitted.wait(30)         # the worker holds the first request
+        time.sleep(0.05)                 # and, without a wait, has started its step
+        rest = [service.submit(j) for j in jobs[1:]]
+        for t in [first, *rest]:
+            t.future.result(timeout=300)
+    assert passes[0] == (3 if gather_s else 1), passes
+
+
+def test_few_row_products_equal_f_linear():
+    """A decode batch's few rows take weight @ x.T on a CPU: the same product as F.linear
+    (to rounding), with and without a bias, for 3-D inputs; one row is F.linear itself."""
+    import torch.nn.functional as F
+
+    from impress_flexgen.models.base import FEW_ROWS, linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen)
+    for rows in (1, 2, 5, FEW_ROWS, FEW_ROWS + 1, 64):
+        x = torch.randn(rows, 1, 40, generator=gen)
+        for bias in (None, b):
+            got, want = linear(x, w, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if rows == 1 or rows > FEW_ROWS:
+                assert torch.equal(got, want)

@@ -60,7 +60,7 @@ def _record(resp, plan_row: bool) -> dict:
            "compute_s": float(st.compute_s), "select_s": float(st.select_s),
            "load_s": float(st.load_s), "probe_s": float(st.probe_s)}
     if plan_row:
-        out.update(plan=st.plan, split_chunks=int(st.plan_split),
+        out.update(plan=st.plan, split_chunks=int(st.plan_split), plan_s=float(st.plan_s),
                    predicted_ttft_s=float(st.predicted_ttft_s), plan_reason=st.plan_reason)
     return out
 

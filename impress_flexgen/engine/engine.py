@@ -321,7 +321,8 @@ class Engine:
             stats.plan, stats.plan_split = "recompute", matched // self.store.config.chunk_size
             stats.plan_reason = "forced"
             return matched
-        plan = self.planner.choose(mode, segments_nodes, matched, n_new)
+        with stats.timer("plan_s"):
+            plan = self.planner.choose(mode, segments_nodes, matched, n_new)
         stats.plan, stats.plan_split = plan.mode, plan.split_chunks
         stats.plan_reason = getattr(plan, "reason", "predicted")
         stats.predicted_ttft_s = plan.predicted_s

@@ -16,6 +16,7 @@ from policies.base import resolve_probe_heads
 
 from ..errors import UserError
 from ..store import CHUNK_SIZE, ModelShape, model_fingerprint
+from ..models.base import linear
 from ..models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
 from ..models.opt import opt_out, opt_qkv
 
@@ -58,7 +59,7 @@ class FamilyMath:
         else:
             w_norm, w_token = weights
             h = rms_norm(hidden, w_norm.data, self.config.rms_norm_eps)
-        return F.linear(h, w_token.data).float()
+        return linear(h, w_token.data).float()
 
 
 def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:

@@ -20,7 +20,7 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, dense, output_logits, \
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, dense, linear, output_logits, \
     pick_next_token
 
 
@@ -245,9 +245,9 @@ def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor,
     w_q, w_k, w_v, _, w_ln = weights
     b, s, _ = x.shape
     h = rms_norm(x, w_ln.data, c.rms_norm_eps)
-    q = F.linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
-    k = F.linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-    v = F.linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    q = linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
+    k = linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    v = linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
     cos, sin = rope or rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -255,7 +255,7 @@ def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor,
 def llama_out(c: LlamaConfig, weights, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Attention output (b, H, s, d) -> o_proj + residual (b, s, h)."""
     b, _, s, _ = attn.shape
-    return F.linear(attn.transpose(1, 2).reshape(b, s, c.n_head * c.head_dim), weights[3].data) + x
+    return linear(attn.transpose(1, 2).reshape(b, s, c.n_head * c.head_dim), weights[3].data) + x
 
 
 class LlamaMLP(flex_opt.MLP):
@@ -278,7 +278,7 @@ class LlamaMLP(flex_opt.MLP):
         w_gate, w_up, w_down, w_ln = _weights(weight_read_buf, k, self.policy.num_gpu_batches)
         x = hidden.val.data
         h = rms_norm(x, w_ln.data, self.config.rms_norm_eps)
-        out = F.linear(F.silu(F.linear(h, w_gate.data)) * F.linear(h, w_up.data), w_down.data)
+        out = linear(F.silu(linear(h, w_gate.data)) * linear(h, w_up.data), w_down.data)
         hidden.val = TorchTensor.create_from_torch(out + x, self.compute)
 
 

@@ -13,7 +13,7 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, output_logits, pick_next_token
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, linear, output_logits, pick_next_token
 
 PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
 
@@ -124,7 +124,7 @@ def opt_qkv(c: OptConfig, weights, x: torch.Tensor, positions=None):
     hid = F.layer_norm(x, (h,), weight=w_ln.data, bias=b_ln.data)
 
     def heads(w, bias):
-        return F.linear(hid, w.data, bias=bias.data).view(b, s, c.n_head, d).transpose(1, 2)
+        return linear(hid, w.data, bias=bias.data).view(b, s, c.n_head, d).transpose(1, 2)
 
     return heads(w_q, b_q), heads(w_k, b_k), heads(w_v, b_v)
 
@@ -133,5 +133,5 @@ def opt_out(c: OptConfig, weights, attn: torch.Tensor, x: torch.Tensor) -> torch
     """Attention output (b, heads, s, d) -> out_proj + residual (b, s, h)."""
     w_out, b_out = weights[6], weights[7]
     b, _, s, _ = attn.shape
-    return F.linear(attn.transpose(1, 2).reshape(b, s, c.input_dim), w_out.data,
+    return linear(attn.transpose(1, 2).reshape(b, s, c.input_dim), w_out.data,
                     bias=b_out.data) + x
