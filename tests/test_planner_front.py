@@ -110,3 +110,123 @@ def test_chunk_selection_spends_only_the_rest_of_the_budget_past_a_front():
     # With budget to spare past the front, chunks are counted by their tokens past it.
     wider = chunk_selection(ctx, scores, 96 - 48, front=48)[0].tolist()
     assert 7 in wider and 0 < len(wider) - 1 and len(wider) > 48 // 16
+
+
+# -- prefix_costs over kept layouts: bit for bit the plain per-layer computation ---------
+
+def _reference_prefix_costs(view, policy, n_layers, segments_nodes, matched, n_new, seconds_of,
+                            load_share, select_rate, probe_bandwidth):
+    """reads.prefix_costs as a plain loop over layers and segments, nothing kept."""
+    from impress_flexgen.planner import PrefixCosts
+    from policies.base import Segment
+
+    T, L = view.chunk_size, n_layers
+    n = matched // T
+    keeps_front = bool(getattr(policy, "keeps_front", False)) and not policy.loads_everything
+    budget = policy.config.budget(matched) if keeps_front and matched else 0
+    io_after, kept_after = np.zeros(n + 1), np.zeros(n + 1)
+    probe_bytes = 0
+    for layer in range(L):
+        order_s, order_tokens, order_forced = [], [], []
+        for si, (node, used) in enumerate(segments_nodes):
+            entry = view.entry(node, layer)
+            seg = Segment(node, used, entry)
+            if policy.reads_probe and policy.probes_layer(layer):
+                probe_bytes += entry.layout.probe_stride
+            chunk_of = seg.logical_to_chunk()
+            held = np.unique(chunk_of)
+            k_of = np.minimum((seg.start + np.arange(used)) // T, n - 1)
+            if keeps_front:
+                recorded = np.intersect1d(view.last_selected_chunks(entry), held)
+                forced = (np.unique(chunk_of[-T:]) if si == len(segments_nodes) - 1
+                          else held[:0])
+                rest = np.setdiff1d(held, np.union1d(recorded, forced))
+                ids = np.concatenate([forced, np.setdiff1d(recorded, forced), rest])
+                row = np.full(entry.layout.n_chunks, -1, dtype=np.int64)
+                row[ids] = np.arange(len(ids))
+                tokens = np.zeros((len(ids), n))
+                np.add.at(tokens, (row[chunk_of], k_of), 1.0)
+                order_s.append(seconds_of(entry, ids))
+                order_tokens.append(tokens)
+                order_forced.append(np.arange(len(ids)) < len(forced))
+                continue
+            share = 1.0
+            ids = held if policy.loads_everything else \
+                np.intersect1d(view.last_selected_chunks(entry), held)
+            if len(ids) == 0:
+                ids, share = held, load_share
+            last_k = np.full(entry.layout.n_chunks, -1, dtype=np.int64)
+            np.maximum.at(last_k, chunk_of, k_of)
+            tokens = np.bincount(chunk_of, minlength=entry.layout.n_chunks)
+            add_io, add_kept = np.zeros(n + 1), np.zeros(n + 1)
+            np.add.at(add_io, last_k[ids], seconds_of(entry, ids) * share)
+            np.add.at(add_kept, last_k[ids], tokens[ids] * share / L)
+            io_after += np.cumsum(add_io[::-1])[::-1]
+            kept_after += np.cumsum(add_kept[::-1])[::-1]
+        if keeps_front and order_s and n:
+            seconds, forced = np.concatenate(order_s), np.concatenate(order_forced)
+            tokens = np.concatenate(order_tokens)
+            past = np.cumsum(tokens[:, ::-1], axis=1)[:, ::-1]
+            need = budget - T * np.arange(n)
+            free = np.where(forced[:, None], 0.0, past)
+            before = past[forced].sum(axis=0)[None] + np.cumsum(free, axis=0) - free
+            take = (past > 0) & (forced[:, None] | (before < need[None]))
+            io_after[:n] += (take * seconds[:, None]).sum(axis=0)
+            kept_after[:n] += (take * past).sum(axis=0) / L
+    io_after[n] = kept_after[n] = 0.0
+    select_s = select_rate * n_new * matched if not policy.loads_everything else 0.0
+    return PrefixCosts(n, T, n_new, tuple(io_after.tolist()), tuple(kept_after.tolist()),
+                       probe_bytes / probe_bandwidth, select_s)
+
+
+def test_prefix_costs_kept_layouts_match_the_plain_computation_across_a_reorder(tmp_path):
+    from impress_flexgen.planner import StoreView, prefix_costs
+    from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
+    from tests.helpers.kv import seeded_kv
+
+    shape = ModelShape("test", n_layers=3, n_kv_heads=2, head_dim=16)
+    cfg = StoreConfig(chunk_size=T, probe_heads=(0,), probe_format="fp16", reorder_interval=0)
+    tokens = np.arange(PREFIX) + (1 << 20)
+    kv = seeded_kv(shape, PREFIX, seed=1)
+    rng = np.random.default_rng(0)
+
+    def select(store):      # a query's importance and selection on every (segment, layer)
+        match = store.match_prefix(tokens)
+        for node, _ in match.segments:
+            for layer in range(shape.n_layers):
+                e = store.entry(node, layer)
+                n = e.layout.n_tokens
+                store.record_selection(e, rng.random(n).astype(np.float32), rng.random(n) < 0.3)
+        store.release(match)
+
+    def seconds_of(entry, ids):     # uneven, so that the order of float sums shows
+        return 1e-3 * (1 + (np.asarray(ids) % 5) / 7 + entry.layer / 3)
+
+    policies = [make_policy(name, ServingConfig(retention=RETENTION))
+                for name in ("impress", "full", "as_like")]
+    with PrefixStore(tmp_path / "s", shape, cfg) as store:
+        for end in (64, 128, PREFIX):             # three segments: 64, 64 and 128 tokens
+            store.insert(tokens[:end], 0, [(k[:, :end], v[:, :end]) for k, v in kv])
+        view = StoreView(store)
+        results = []
+        for rnd in range(2):
+            select(store)
+            if rnd:
+                assert store.reorder_now() > 0      # new versions, their tokens moved
+                select(store)
+            match = store.match_prefix(tokens)
+            try:
+                assert len(match.segments) == 3
+                for policy in policies:
+                    args = (policy, shape.n_layers, match.segments, PREFIX, 5, seconds_of,
+                            0.6, 1e-9, 1e9)
+                    want = _reference_prefix_costs(view, *args)
+                    cold = prefix_costs(StoreView(store), *args)      # nothing kept
+                    assert prefix_costs(view, *args) == cold == want, type(policy).__name__
+                    assert prefix_costs(view, *args) == want          # kept
+                    results.append(want)
+            finally:
+                store.release(match)
+        # The reorder changed what the keeps_front policy would read: a layout kept from
+        # before it would have given the old numbers.
+        assert results[0] != results[3]

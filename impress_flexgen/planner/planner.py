@@ -245,11 +245,15 @@ class Planner:
     def prefix_costs(self, segments_nodes, matched: int, n_new: int) -> PrefixCosts:
         """What loading each part of the matched prefix would cost (reads.prefix_costs)."""
         disk_bw = self.disk_bandwidth()
+        # Asked once: with no memory tier to hold them, every chunk is read from the disk.
+        memory = self.store.memory_tiers_on()
 
         def seconds_of(entry, ids):
             per_chunk = 2 * entry.layout.chunk_bytes      # K and V
-            return np.array([per_chunk / self._bandwidth_of(self.store.tier_of(entry, i),
-                                                            disk_bw) for i in ids])
+            if not memory:
+                return np.full(len(ids), per_chunk / disk_bw)
+            return np.array([per_chunk / self._bandwidth_of(tier, disk_bw)
+                             for tier in self.store.tiers_of(entry, ids)])
 
         return prefix_costs(self.store, self.policy, self.n_layers, segments_nodes, matched,
                             n_new, seconds_of, self.load_fraction.value,

@@ -218,6 +218,11 @@ class ChunkCache:
         with self._lock:
             return self._where(key)
 
+    def residents(self, keys) -> list[str | None]:
+        """resident() of each key, under one taking of the lock."""
+        with self._lock:
+            return [self._where(key) for key in keys]
+
     def resident_keys(self, tier: str) -> frozenset:
         """Keys held by one tier (by name, e.g. "gpu" or "cpu"); for diagnostics and tests."""
         held = self._by_name.get(tier)
