@@ -111,8 +111,11 @@ def test_the_config_holds_what_the_flags_said_once():
     config = ServiceConfig.from_args(run.parse_args(FLAGS))
     assert {f.name for f in dataclasses.fields(ServiceConfig)} == {
         "runtime", "run", "tiers", "store", "queue_size", "timeout_s", "max_batch_size",
-        "max_batch_tokens"}
+        "max_batch_tokens", "batch_gather_s"}
     assert (config.max_batch_size, config.max_batch_tokens) == (8, 8192)
+    assert config.batch_gather_s == 0.01
+    assert ServiceConfig.from_args(run.parse_args(
+        FLAGS + ["--batch-gather-ms", "0"])).batch_gather_s == 0
     sized = ServiceConfig.from_args(run.parse_args(["--max-batch-size", "3",
                                                     "--max-batch-tokens", "100"]))
     assert (sized.max_batch_size, sized.max_batch_tokens) == (3, 100)
