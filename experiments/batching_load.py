@@ -9,6 +9,7 @@ measured in this process, from submitting a job to its streamed text: time to fi
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -17,12 +18,21 @@ import numpy as np
 from impress_flexgen.corpus import passages
 
 
+# Distinct prompts' passages: a book holds a few dozen non-overlapping 2,000-character
+# passages, so more prompts than PER_BOOK are spread over the next books.
+BOOKS = ("austen_pride_and_prejudice", "kjv_genesis", "milton_paradise_lost",
+         "shakespeare_hamlet")
+PER_BOOK = 24
+
+
 def prompts(kind: str, n: int, chars: int, seed: int) -> list[str]:
     questions = passages("austen_emma", 120, n, seed + 1)
     if kind == "shared":
-        system = passages("austen_pride_and_prejudice", chars, 1, seed)[0]
+        system = passages(BOOKS[0], chars, 1, seed)[0]
         return [f"{system}\n\nQuestion: {q}" for q in questions]
-    texts = passages("austen_pride_and_prejudice", chars, n, seed + 2)
+    books = BOOKS[:-(-n // PER_BOOK)]
+    texts = [t for i, book in enumerate(books)
+             for t in passages(book, chars, len(range(i, n, len(books))), seed + 2)]
     return [f"{t}\n\nQuestion: {q}" for t, q in zip(texts, questions)]
 
 
@@ -84,26 +94,30 @@ def batching_rows(rt, model: str, root, client_counts, batch_size: int, per_clie
 
     rows = []
     for kind in kinds:
-        for size in (batch_size, 1):
-            with scratch.directory(root, "benchbatch") as stores:
+        # Both modes side by side, client count by client count (batched, then one at a
+        # time), so that a machine whose speed drifts during the run skews both alike.
+        with contextlib.ExitStack() as stack:
+            services = {}
+            for size in dict.fromkeys((batch_size, 1)):
+                stores = stack.enter_context(scratch.directory(root, "benchbatch"))
                 config = ServiceConfig(model=model, run=RunConfig(policy, policy),
                                        store_root=stores, queue_size=max(client_counts) + 1,
                                        timeout_s=3600, max_batch_size=size)
-                with Service(config, runtime=rt) as service:
-                    warm = prompts(kind, 1, chars, 99)[0] if kind == "distinct" else \
-                        prompts(kind, 1, chars, 0)[0]
-                    service.complete(service.frontend.build(prompt=warm, max_tokens=2))
-                    for clients in client_counts:
-                        texts = prompts(kind, clients * per_client, chars, 10 * clients)
-                        got = run_clients(service, texts, clients, max_tokens)
-                        row = {"clients": clients, "max_batch_size": size, "prefix": kind,
-                               **got}
-                        rows.append(row)
-                        print(f"{kind} prefix, {clients} clients, max batch {size}: "
-                              f"{row['output_tokens_per_s']:.1f} tok/s, "
-                              f"{row['requests_per_s']:.2f} req/s, TTFT mean "
-                              f"{row['ttft_mean_s']:.2f} s P99 {row['ttft_p99_s']:.2f} s, "
-                              f"TPOT {row['tpot_mean_s'] or 0:.3f} s", flush=True)
+                service = services[size] = stack.enter_context(Service(config, runtime=rt))
+                warm = prompts(kind, 1, chars, 99)[0] if kind == "distinct" else \
+                    prompts(kind, 1, chars, 0)[0]
+                service.complete(service.frontend.build(prompt=warm, max_tokens=2))
+            for clients in client_counts:
+                for size, service in services.items():
+                    texts = prompts(kind, clients * per_client, chars, 10 * clients)
+                    got = run_clients(service, texts, clients, max_tokens)
+                    row = {"clients": clients, "max_batch_size": size, "prefix": kind, **got}
+                    rows.append(row)
+                    print(f"{kind} prefix, {clients} clients, max batch {size}: "
+                          f"{row['output_tokens_per_s']:.1f} tok/s, "
+                          f"{row['requests_per_s']:.2f} req/s, TTFT mean "
+                          f"{row['ttft_mean_s']:.2f} s P99 {row['ttft_p99_s']:.2f} s, "
+                          f"TPOT {row['tpot_mean_s'] or 0:.3f} s", flush=True)
     return rows
 
 

@@ -179,6 +179,16 @@ def parse_args(argv):
     args.prefix_kinds = [x for x in args.batching_prefixes.split(",") if x]
     if not args.prefix_kinds or any(k not in ("shared", "distinct") for k in args.prefix_kinds):
         p.error(f"--batching-prefixes: shared and/or distinct (got {args.batching_prefixes!r})")
+    from experiments.batching_load import prompts
+    from impress_flexgen.errors import UserError
+
+    for kind in args.prefix_kinds:     # refused now, not after the rows before it
+        for n in args.client_counts:
+            try:
+                prompts(kind, n * args.requests_per_client, args.batch_prompt_chars, 10 * n)
+            except UserError as exc:
+                p.error(f"{n} clients x {args.requests_per_client} requests, {kind} "
+                        f"prefixes: {exc}")
     from policies import POLICY_NAMES
 
     args.policy_list = [x for x in args.policies.split(",") if x]

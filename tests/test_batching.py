@@ -300,3 +300,18 @@ def test_few_row_products_equal_f_linear():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             if rows == 1 or rows > FEW_ROWS:
                 assert torch.equal(got, want)
+
+
+def test_bench_serve_checks_its_prompts_before_running(capsys):
+    """The default rows (up to 16 clients x 3 distinct 2,000-character prompts) have their
+    passages; a count the books cannot hold is refused at once, not after the rows before."""
+    from experiments import bench_serve
+    from experiments.batching_load import prompts
+
+    args = bench_serve.parse_args(["--policies", ""])
+    assert args.client_counts == [1, 2, 4, 8, 16]
+    texts = prompts("distinct", 48, 2000, 160)
+    assert len(set(texts)) == 48
+    with pytest.raises(SystemExit) as exit_:
+        bench_serve.parse_args(["--policies", "", "--batching-clients", "64"])
+    assert exit_.value.code == 2 and "distinct prefixes" in capsys.readouterr().err

@@ -113,6 +113,8 @@ def test_auto_plan_predicts_and_avoids_a_slow_disk(tiny_runtimes, tmp_path, monk
         assert warm.stats.plan in ("recompute", "both")
         assert warm.stats.as_dict()["plan_reason"] == "predicted"
         assert warm.stats.predicted_ttft_s > 0
+        assert 0 < warm.stats.plan_s < warm.stats.ttft_s       # the planner's own time
+        assert first.stats.plan_s == 0                         # nothing matched: no plan
         assert warm.tokens == ref
         if warm.stats.plan == "both":
             assert 0 < warm.stats.plan_split < 16
@@ -131,6 +133,16 @@ def test_experiment_targets_and_live_read_limit(tiny_runtimes, tmp_path):
     imp = _targets(ttft, "planner impress")          # impress loads 2.2x faster: not close
     assert not imp["close"] and imp["target"] == 1.05 and not imp["met"]
     assert _targets({**ttft, "planner impress": 1.85}, "planner impress")["met"]
+    # Over the target with the best baseline's own plan every time: the same code, met as
+    # such; not with another plan, nor where the target is to beat the best (close).
+    same = _targets(ttft, "planner impress", {"load": 6})
+    assert same["same_plan"] and same["met"] and same["over_best"] > same["target"]
+    assert not _targets(ttft, "planner impress", {"load": 5, "both": 1})["met"]
+    assert not _targets(ttft, "planner full", {"recompute": 6})["same_plan"]   # close
+    # Best is load full: impress's loads read another selection, not the same code.
+    other = {"recompute": 10.0, "load full": 1.0, "load impress": 1.2,
+             "planner full": 1.0, "planner impress": 1.1}
+    assert not _targets(other, "planner impress", {"load": 6})["met"]
 
     rt = tiny_runtimes["llama-tiny"]
     engine, store = _engine(rt, tmp_path / "s")

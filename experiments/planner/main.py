@@ -64,7 +64,7 @@ def parse_args(argv):
                        description=_DOC.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quick", action="store_true",
-                   help=f"one 1,024-token prefix, 2 queries, 3 repeats, limits {QUICK_LIMITS} "
+                   help=f"one 1,024-token prefix, 2 queries, 5 repeats, limits {QUICK_LIMITS} "
                         "MB/s")
     p.add_argument("--prefix-tokens", default=DEFAULT_PREFIXES,
                    help=f"comma-separated prefix lengths ({DEFAULT_PREFIXES})")
@@ -97,7 +97,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.prefix_tokens, args.limits = "1024", QUICK_LIMITS
-        args.prefixes, args.queries, args.repeats = 1, 2, 3
+        args.prefixes, args.queries, args.repeats = 1, 2, 5
     args.prefix_list = _lengths(p, args.prefix_tokens)
     args.limit_list = _limits(p, args.limits)
     return args

@@ -23,7 +23,8 @@ def print_measured(cells, summ) -> None:
                 f"{t['load impress']:>8.3f}")
         for label in PLANNERS:
             row, tg = c["rows"][label], c["targets"][label]
-            mark = "" if tg["met"] else "!"
+            mark = "=" if tg.get("same_plan") and tg["over_best"] > tg["target"] else \
+                "" if tg["met"] else "!"
             plans = ",".join(f"{k[0]}{v}" for k, v in sorted(row["plans"].items()))
             if "both" in row["plans"]:
                 plans += f" m~{row['split_mean']:.0f}"
@@ -33,14 +34,16 @@ def print_measured(cells, summ) -> None:
         print(line + f"{c['rows']['planner impress']['kl']:>8.4f}")
     print(f"/best: planner over the best of its baselines (full: recompute, load full; "
           f"impress: also load impress); target {NO_WORSE}x, {BETTER}x where recompute and "
-          f"the best load are within {CLOSE:g}x ('!': missed). plans: l(oad), r(ecompute), "
+          f"the best load are within {CLOSE:g}x ('!': missed; '=': over it with the best "
+          f"baseline's own plan every time, the same code: run noise). plans: l(oad), "
+          f"r(ecompute), "
           f"b(oth), m: mean chunks recomputed. err: mean |predicted - measured| / measured "
           f"TTFT (%)")
     for label, s in summ.items():
         err = s["mean_abs_prediction_error"]
         print(f"{label}: targets met in {s['targets_met']}/{s['cells']} cells, mean prediction "
               f"error {_fmt(None if err is None else 100 * err, '.1f')}%, "
-              f"max KL {s['max_kl']:.2e}")
+              f"max KL {s['max_kl']:.2e}, its own time {s['plan_ms_mean']:.1f} ms a request")
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
