@@ -20,10 +20,13 @@ from policies import make_policy
 ROWS = ("recompute", "load full", "load impress", "planner full", "planner impress")
 STORES = {"load full": "full", "load impress": "impress:all"}       # row -> its policy
 PLANNERS = {"planner full": "load full", "planner impress": "load impress"}   # -> its store
-# A planner's plans against the best of: the exact plans (full: recompute, load full), or
-# every row (impress: its selection loads less than full, so the best load is either).
+# A planner's plans against the best of the ends it can choose between: recompute, or load
+# what its policy selects (full: every chunk; impress: its selection). `load full` is not
+# one of impress's plans: where it beats `load impress` (a fast disk, where loading every
+# chunk costs less than impress's scoring), that is the policy's cost, not the planner's;
+# the table shows it beside them.
 BASELINES = {"planner full": ("recompute", "load full"),
-             "planner impress": ("recompute", "load full", "load impress")}
+             "planner impress": ("recompute", "load impress")}
 # The targets: no worse than the best baseline (5% for noise), and clearly better where
 # recompute and the best load are within 2x of each other (where splitting can pay).
 NO_WORSE, BETTER, CLOSE = 1.05, 0.8, 2.0
@@ -110,7 +113,7 @@ def measure(rt, args, bar, on_cell=None) -> list[dict]:
 
 
 def _cell(length, limit, pool, wl, engines, recompute, args, bar) -> dict:
-    """Serve the measured queries round the rows (a row's TTFT: the least of its repeats).
+    """Serve the measured queries round the rows (a row's TTFT: the median of its repeats).
     `recompute`: {"per": ..., "logits": ...} of an earlier cell at this length, reused
     (filled here when empty)."""
     per: dict[str, dict[int, list[dict]]] = {r: {} for r in ROWS}
@@ -133,7 +136,8 @@ def _cell(length, limit, pool, wl, engines, recompute, args, bar) -> dict:
     reference = logits["recompute"]    # exact KV
     rows = {}
     for label in ROWS:
-        best = [min(tries, key=lambda r: r["ttft_s"]) for _, tries in sorted(per[label].items())]
+        best = [sorted(tries, key=lambda r: r["ttft_s"])[(len(tries) - 1) // 2]
+                for _, tries in sorted(per[label].items())]          # the median try
         every = [r for _, tries in sorted(per[label].items()) for r in tries]
         row = {"ttft_mean_s": float(np.mean([r["ttft_s"] for r in best])),
                "ttft_s": [r["ttft_s"] for r in best],

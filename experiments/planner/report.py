@@ -33,7 +33,7 @@ def print_measured(cells, summ) -> None:
                      f"{_fmt(None if err is None else 100 * err, '.0f'):>5}")
         print(line + f"{c['rows']['planner impress']['kl']:>8.4f}")
     print(f"/best: planner over the best of its baselines (full: recompute, load full; "
-          f"impress: also load impress); target {NO_WORSE}x, {BETTER}x where recompute and "
+          f"impress: load impress); target {NO_WORSE}x, {BETTER}x where recompute and "
           f"the best load are within {CLOSE:g}x ('!': missed; '=': over it with the best "
           f"baseline's own plan every time, the same code: run noise). plans: l(oad), "
           f"r(ecompute), "
