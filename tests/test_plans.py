@@ -139,10 +139,13 @@ def test_experiment_targets_and_live_read_limit(tiny_runtimes, tmp_path):
     assert same["same_plan"] and same["met"] and same["over_best"] > same["target"]
     assert not _targets(ttft, "planner impress", {"load": 5, "both": 1})["met"]
     assert not _targets(ttft, "planner full", {"recompute": 6})["same_plan"]   # close
-    # Best is load full: impress's loads read another selection, not the same code.
+    # Impress's planner is held to its own ends: load full (not one of its plans) being
+    # faster than load impress does not count against it.
     other = {"recompute": 10.0, "load full": 1.0, "load impress": 1.2,
              "planner full": 1.0, "planner impress": 1.1}
-    assert not _targets(other, "planner impress", {"load": 6})["met"]
+    got = _targets(other, "planner impress", {"load": 6})
+    assert got["best"] == "load impress" and got["over_best"] < 1 and got["met"]
+    assert not _targets({**other, "planner impress": 1.3}, "planner impress", {"both": 6})["met"]
 
     rt = tiny_runtimes["llama-tiny"]
     engine, store = _engine(rt, tmp_path / "s")
