@@ -9,9 +9,9 @@ recompute (no store), load with every chunk (full), load of the impress selectio
 planner (plan auto: recompute, load or both per request, by the cost model) over each
 store. The measured queries go round the rows one query at a time, so that whatever else
 the machine runs slows every row alike; with --repeats, each row's TTFT of a query is the
-median of its repeats (on a shared machine the least of a few is itself an outlier: two
-rows running the same plan differed by up to 9% by their least, 3% by their median). Recompute reads no disk: it is measured at the
-first limit and stands at the others (--recompute-each-limit measures it at each).
+median of its repeats (on a shared machine the least of a few repeats is itself an
+outlier). Recompute reads no disk: it is measured at the first limit and stands at the
+others (--recompute-each-limit measures it at each).
 
 The planner is warmed up as a server would be: its prefill curve is calibrated when the run
 starts (measured afresh unless --calibration-cache names a directory to reuse), and at each
