@@ -113,9 +113,6 @@ class StoreView:
         return cache.residents([(entry.node_id, entry.layer, entry.version, "k", int(c))
                                 for c in chunks])
 
-    def tier_of(self, entry, chunk: int) -> str | None:
-        return self.tiers_of(entry, [chunk])[0]
-
     def layout(self, node, used: int, entry, n: int) -> SegmentLayout:
         """The layout of `used` tokens of `node` as stored in `entry`, for a prefix of n
         chunks. Keyed by the entry's version: a reorder writes a new one (node ids are
