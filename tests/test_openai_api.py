@@ -11,25 +11,18 @@ import torch
 
 from impress_flexgen import defaults
 from impress_flexgen.engine import Engine, Request
-from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server, parse_args
 from impress_flexgen.config import ServiceConfig
 from impress_flexgen.service import Service
 from policies import make_policy
+from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
 
 MODEL = "llama-tiny"
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
         "fortune, must be in want of a wife. However little known the feelings or views of "
         "such a man may be on his first entering a neighbourhood, this truth is so well "
         "fixed in the minds of the surrounding families.")
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    rt = Runtime(RuntimeConfig(model=MODEL, offload_dir=str(tmp_path_factory.mktemp("off"))))
-    yield rt
-    rt.close()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from impress_flexgen import run
 from impress_flexgen.engine import model_shape, open_store
-from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server
 from impress_flexgen.serve_guard import ServerOptions
@@ -30,6 +29,7 @@ from impress_flexgen.errors import ServiceError
 from impress_flexgen.frontend import TextStream, sampling_params
 from impress_flexgen.service import Service
 from policies import make_policy
+from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-tiny"
@@ -42,13 +42,6 @@ SYSTEM = ("You are a careful reader of old books. It is a truth universally ackn
           "\"have you heard that Netherfield Park is let at last?\" Mr. Bennet replied that "
           "he had not. \"But it is,\" returned she; \"for Mrs. Long has just been here, and "
           "she told me all about it.\"")
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    rt = Runtime(RuntimeConfig(model=MODEL, offload_dir=str(tmp_path_factory.mktemp("off"))))
-    yield rt
-    rt.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,13 @@ import json
 import httpx2
 import pytest
 
-from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server, parse_args, server_options
 from impress_flexgen.serve_guard import ServerOptions, namespace
 from impress_flexgen.config import ServiceConfig
 from impress_flexgen.service import Service
+from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
 
 MODEL = "llama-tiny"
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    rt = Runtime(RuntimeConfig(model=MODEL, offload_dir=str(tmp_path_factory.mktemp("off"))))
-    yield rt
-    rt.close()
 
 
 @pytest.fixture(scope="module")
