@@ -3,9 +3,10 @@
 The weights of every layer are brought to the compute device once per step and used for
 the whole batch (with offloaded weights, FlexGen's gain: the weight I/O of a step is shared
 by every sequence in it). Projections, the MLP and the logits run on the (B, 1, hidden)
-batch; attention runs per sequence over its own context (ragged lengths, its own mask, or
-its decode-phase policy's pages), which on the sizes served here costs less than padding
-every context to the longest.
+batch. Attention runs over each sequence's own context (its own length and mask): the
+contexts of a batch live side by side in one buffer per layer (SideBySide), padded to the
+longest and masked, so that one attention call serves them all; a batch with a sequence
+whose decode-phase policy picks its own pages attends sequence by sequence.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class BatchRunner:
         self.group = m.n_head // m.n_kv_head
         # SDPA on a CPU has no half-precision kernel worth using: attend in float32 there.
         self.work = torch.float32 if engine.device.type == "cpu" else None
+        self.side = SideBySide()
 
     def step(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence its next input; returns the token each one picked. Sequences
@@ -39,13 +41,17 @@ class BatchRunner:
         hidden = self._embed(ids, pos, stats)
         positions = torch.tensor(pos, device=e.device)[:, None]
         rope = e.math.rope(positions, hidden.val.data.dtype)
+        side = self.side if self.side.hold(seqs, e.math.n_head) else None
         for layer in range(e.math.n_layers):
             weights = e._weights(1 + 2 * layer, stats)
             x = hidden.val.data
             q, k_new, v_new = e.math.qkv(weights, x, positions, rope)
-            outs = [self._attend(s, layer, q[i:i + 1], k_new[i], v_new[i])
-                    for i, s in enumerate(seqs)]
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            if side is not None:
+                attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
+            else:
+                outs = [self._attend(s, layer, q[i:i + 1], k_new[i], v_new[i])
+                        for i, s in enumerate(seqs)]
+                attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden.val = TorchTensor.create_from_torch(e.math.out(weights, attn, x), e.compute)
             e._mlp(2 + 2 * layer, hidden, stats)
         out_w = e._weights(len(e.model.layers) - 1, stats)
@@ -88,4 +94,69 @@ class BatchRunner:
         out = F.scaled_dot_product_attention(
             q.to(work), keys[None].to(work), values[None].to(work), attn_mask=mask,
             enable_gqa=self.group > 1)
+        return out.to(q.dtype)
+
+
+class SideBySide:
+    """The decode contexts of a batch side by side: per layer K and V (B, KV, cap, d) and
+    the mask (B, H, 1, cap) of the keys each head attends, with row b one sequence's
+    LayerKV (bound to it, so a step alone or a later batch goes on from the same memory).
+
+    A sequence's context ends at its own length; the positions after it, up to the longest
+    in the batch, are masked out, so the one attention call per layer gives each row what
+    attending its own context alone gives (to rounding). The buffers are laid out again
+    when the batch's members change (a join or a leave), not on every step.
+    """
+
+    def __init__(self) -> None:
+        self.members: list[int] = []
+        self.layers: list[tuple] = []      # per layer (K, V, mask, lengths)
+        self.seqs: list[Sequence] = []
+
+    def hold(self, seqs: list[Sequence], n_head: int) -> bool:
+        """Lay out `seqs` side by side (if not already); False when they cannot be: one
+        sequence alone, or one whose decode-phase policy attends its own pages."""
+        if len(seqs) < 2 or any(s.pages is not None or s.kv is None or
+                                any(kv is None for kv in s.kv) for s in seqs):
+            self.members, self.layers, self.seqs = [], [], []
+            return False
+        if [id(s) for s in seqs] == self.members:
+            return True
+        self.layers = []
+        for j in range(len(seqs[0].kv)):
+            ctx = [s.kv[j] for s in seqs]
+            n_kv, _, d = ctx[0].k.shape
+            cap = max(kv.k.shape[1] for kv in ctx)
+            like = ctx[0].k
+            keys = like.new_zeros(len(seqs), n_kv, cap, d)
+            values = like.new_zeros(len(seqs), n_kv, cap, d)
+            mask = torch.zeros(len(seqs), n_head, 1, cap, dtype=torch.bool, device=like.device)
+            for b, kv in enumerate(ctx):
+                kv.bind(keys[b], values[b], mask[b, :, 0])
+            lengths = torch.tensor([kv.n for kv in ctx], device=like.device)
+            self.layers.append((keys, values, mask, lengths))
+        self.members, self.seqs = [id(s) for s in seqs], list(seqs)
+        return True
+
+    def forget(self, seq: Sequence) -> None:
+        """A member is done: the buffers go with the batch, not with the next step."""
+        if any(s is seq for s in self.seqs):
+            self.members, self.layers, self.seqs = [], [], []
+
+    def attend(self, layer: int, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
+        """q (B, H, 1, d), k_new and v_new (B, KV, 1, d): each row's new token over its own
+        context plus itself."""
+        keys, values, mask, lengths = self.layers[layer]
+        rows = torch.arange(len(self.seqs), device=keys.device)
+        keys[rows, :, lengths] = k_new[:, :, 0]
+        values[rows, :, lengths] = v_new[:, :, 0]
+        mask[rows, :, 0, lengths] = True
+        lengths += 1
+        for s in self.seqs:
+            s.kv[layer].n += 1
+        end = int(lengths.max())
+        work = work or q.dtype
+        out = F.scaled_dot_product_attention(
+            q.to(work), keys[:, :, :end].to(work), values[:, :, :end].to(work),
+            attn_mask=mask[..., :end], enable_gqa=gqa)
         return out.to(q.dtype)

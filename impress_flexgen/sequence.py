@@ -38,11 +38,27 @@ class LayerKV:
                 mask.repeat_interleave(group, dim=0)
             self.mask = torch.ones(rows.shape[0], cap, dtype=torch.bool, device=keys.device)
             self.mask[:, :m] = rows
+        self.bound = False   # lives in a batch's side-by-side buffers (batch_runner)
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> None:
+        """Move the context into a batch's buffers: k, v (KV, cap', d) and mask (H, cap')
+        with cap' >= this capacity. Positions not yet filled are masked out there (the
+        batch attends up to its longest context), so an append also unmasks its position."""
+        n = self.n
+        k[:, :n] = self.k[:, :n]
+        v[:, :n] = self.v[:, :n]
+        if self.mask is None:
+            mask[:, :n] = True
+        else:
+            mask[:, :n] = self.mask[:, :n]
+        self.k, self.v, self.mask, self.bound = k, v, mask, True
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (KV, 1, d) of the new token."""
         self.k[:, self.n] = k[:, 0]
         self.v[:, self.n] = v[:, 0]
+        if self.bound:
+            self.mask[:, self.n] = True
         self.n += 1
 
     def view(self):
@@ -74,6 +90,7 @@ class Sequence:
     steps: int = 0
     moved: int = 0                   # KV bytes a step attends (see RequestStats)
     decode_s: float = 0.0
+    stored: object | None = None     # its new prefix KV being stored (a Future), if any
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def next_input(self) -> int:

@@ -315,3 +315,132 @@ def test_bench_serve_checks_its_prompts_before_running(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_serve.parse_args(["--policies", "", "--batching-clients", "64"])
     assert exit_.value.code == 2 and "distinct prefixes" in capsys.readouterr().err
+
+
+def test_a_request_decodes_while_its_prefix_is_stored(tiny_runtimes, tmp_path):
+    """The store write runs behind the decode steps: tokens stream while it is held up;
+    the response comes once the prefix is stored; a request opened meanwhile waits for it
+    and matches it, as when stores were written in line."""
+    import threading
+
+    rt = tiny_runtimes["llama-tiny"]
+    cfg = ServingConfig()
+    policy = make_policy("full", cfg)
+    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
+    try:
+        engine = Engine(rt, store, policy, TierSizes())
+        stem, _ = prompts()
+        streamed = threading.Event()
+        insert, seen = store.insert, []
+
+        def held_insert(*args, **kwargs):
+            seen.append(streamed.wait(10))       # tokens went out while this waited
+            return insert(*args, **kwargs)
+
+        store.insert = held_insert
+        tokens = []
+
+        def on_token(token):
+            tokens.append(token)
+            if len(tokens) == 3:
+                streamed.set()
+            return True
+
+        seq = engine.start(Request(stem, [5, 6], 6, on_token=on_token))
+        while not seq.done:
+            engine.step([seq])
+        response = engine.finish(seq)
+        assert seen == [True] and len(response.tokens) == 6
+        assert store.tree.match_prefix(stem).length == len(stem)  # stored before answered
+        assert response.stats.store_s > 0
+
+        # A request opened while a store is pending matches what it stores.
+        streamed.clear()
+        longer = stem + [7] * CHUNK
+        first = engine.start(Request(longer, [5], 4))
+        threading.Timer(0.3, streamed.set).start()
+        second = engine.serve(Request(longer + [8] * CHUNK, [5], 2))
+        assert second.stats.matched_tokens == len(longer)
+        while not first.done:
+            engine.step([first])
+        engine.finish(first)
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_a_failed_store_leaves_the_request_answered(tiny_runtimes, tmp_path):
+    rt = tiny_runtimes["llama-tiny"]
+    cfg = ServingConfig()
+    policy = make_policy("full", cfg)
+    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
+    try:
+        engine = Engine(rt, store, policy, TierSizes())
+        stem, _ = prompts()
+        want = engine.serve(Request(stem, [5, 6], 4)).tokens        # stored in passing
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("disk on fire")
+
+        store.insert = broken
+        other = stem[:CHUNK] + [9] * (3 * CHUNK)
+        got = engine.serve(Request(other, [5, 6], 4))
+        assert len(got.tokens) == 4
+        assert store.tree.match_prefix(other).length == CHUNK        # not stored
+        assert engine.serve(Request(stem, [5, 6], 4)).tokens == want  # nothing left pinned
+        assert all(n.lock_count == 0 for n in store.tree.nodes.values())
+    finally:
+        store.close()
+
+
+def test_side_by_side_attention_equals_each_context_alone():
+    """Contexts of different lengths and masks, laid out side by side: one attention call
+    per layer gives each row what attending its own context gives; after a member leaves,
+    the others go on from the same memory."""
+    import torch.nn.functional as F
+
+    from impress_flexgen.batch_runner import SideBySide
+    from impress_flexgen.sequence import LayerKV, Sequence
+
+    g = torch.Generator().manual_seed(3)
+    n_head, n_kv, d, layers = 4, 2, 8, 2
+
+    def seq(m, masked):
+        kv = []
+        for _ in range(layers):
+            mask = torch.rand(n_kv, m, generator=g) > 0.4 if masked else \
+                torch.ones(n_kv, m, dtype=torch.bool)
+            mask[:, 0] = True
+            kv.append(LayerKV(torch.randn(n_kv, m, d, generator=g),
+                              torch.randn(n_kv, m, d, generator=g), mask, 5, n_head // n_kv))
+        return Sequence(None, None, None, [], [], None, 0, kv=kv)
+
+    def alone(kv, q, k, v):
+        keys = torch.cat([kv.k[:, :kv.n], k[:, None]], dim=1)
+        values = torch.cat([kv.v[:, :kv.n], v[:, None]], dim=1)
+        mask = None
+        if kv.mask is not None:
+            mask = torch.cat([kv.mask[:, :kv.n], torch.ones(kv.mask.shape[0], 1,
+                                                            dtype=torch.bool)], dim=1)
+            mask = mask[None, :, None]
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None],
+                                              attn_mask=mask, enable_gqa=True)[0]
+
+    seqs = [seq(7, True), seq(3, False), seq(11, True)]
+    side = SideBySide()
+    for step in range(4):
+        if step == 2:
+            side.forget(seqs[1])
+            seqs = [seqs[0], seqs[2]]                 # one left the batch
+        assert side.hold(seqs, n_head)
+        for layer in range(layers):
+            q = torch.randn(len(seqs), n_head, 1, d, generator=g)
+            k = torch.randn(len(seqs), n_kv, 1, d, generator=g)
+            v = torch.randn(len(seqs), n_kv, 1, d, generator=g)
+            want = [alone(s.kv[layer], q[b], k[b, :, 0], v[b, :, 0]) for b, s in enumerate(seqs)]
+            before = [s.kv[layer].n for s in seqs]
+            got = side.attend(layer, q, k, v, torch.float32, True)
+            for b, s in enumerate(seqs):
+                torch.testing.assert_close(got[b], want[b], rtol=1e-5, atol=1e-6)
+                assert s.kv[layer].n == before[b] + 1
+    assert not side.hold(seqs[:1], n_head)         # alone: attends its own context

@@ -20,7 +20,8 @@ For each request:
   4. logits   of the last position: the first token (time to first token ends here;
               logits of the other query positions, when asked for, come after);
   5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
-              shared pool (write-through, in the background);
+              shared pool (write-through); on a writer thread while the request decodes
+              (store_writer);
   6. decode   over the kept prefix tokens plus the generated ones (or the full prefix):
               `start` returns a Sequence after 1-5, `step` advances a batch of sequences by
               one token each (batch_runner), `finish` makes the response; `serve` does all
@@ -54,6 +55,7 @@ from ..tiers import ChunkCache, TierConfig
 from .family import FamilyMath, probe_setup
 from .prefix_kv import PrefixKV
 from .runner import LayerRunner
+from .store_writer import StoreWriter
 
 log = logging.getLogger("impress_flexgen.engine")
 
@@ -112,9 +114,12 @@ class Engine:
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
             self.planner = Planner.for_engine(self)
         self.runner = BatchRunner(self)     # the decode steps of a batch
+        self.writer = StoreWriter()         # 5. stores, behind the decode steps
 
     def close(self) -> None:
-        """Stop the shared pool's threads (the store and runtime are closed by their owner)."""
+        """Finish the stores handed to the writer, then stop the shared pool's threads (the
+        store and runtime are closed by their owner)."""
+        self.writer.wait_idle()
         if self.shared is not None:
             self.shared.tier.close()
 
@@ -173,6 +178,8 @@ class Engine:
 
     def finish(self, seq: Sequence) -> Response:
         """The response of a sequence (done, or given up by its caller)."""
+        if seq.stored is not None:
+            seq.stored.result()      # its prefix is stored before it is answered
         stats = seq.stats
         steps = seq.steps
         if seq.pages is not None:
@@ -185,6 +192,7 @@ class Engine:
         if steps:
             stats.decode_s_per_token = seq.decode_s / steps
             stats.decode_bytes_per_step = seq.moved / steps
+        self.runner.side.forget(seq)
         seq.kv = None     # the context's memory goes now, not with the last reference
         return Response(seq.tokens, seq.query_logits, seq.step_logits, stats)
 
@@ -203,6 +211,8 @@ class Engine:
               use_shared: bool = False) -> PrefillJob:
         """1. match, and the plan: what a prefill pass needs of the request (its matched
         prefix pinned until the job is released)."""
+        # A prefix another request is storing is matched as if it were stored in line.
+        self.writer.wait_idle()
         stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
                              bytes_read=dict.fromkeys(self.tier_names, 0))
         use_store = self.store is not None and self.policy.reuse
@@ -256,12 +266,10 @@ class Engine:
         job.sampler, job.first, job.logits = sampler, first, logits
 
     def _to_decode(self, job: PrefillJob, kept, new_kv) -> Sequence:
-        """5. store the new prefix KV; 6. the request's decode context."""
+        """6. the request's decode context; 5. its new prefix KV handed to the store writer,
+        which stores it while the request decodes (its matched prefix stays pinned until
+        then; `finish` waits for it)."""
         req, stats = job.req, job.stats
-        if job.use_store and self.policy.store_new:
-            with stats.timer("store_s"):
-                self._store_new(req, job.matched, job.n_given, new_kv, stats, job.use_shared)
-
         # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
         logits = job.logits
         seq = Sequence(req, job.sampler, stats, [job.first], [logits[-1]],
@@ -275,7 +283,27 @@ class Engine:
             self._start_decode(seq, kept)
         else:
             seq.done = True
+        if job.use_store and self.policy.store_new:
+            match, job.match = job.match, None
+            seq.stored = self.writer.submit(lambda: self._store_job(job, new_kv, match))
         return seq
+
+    def _store_job(self, job: PrefillJob, new_kv, match) -> None:
+        """5. on the writer thread: store the new prefix KV, then unpin the matched prefix.
+        A failure leaves the prefix unstored; the request itself has its tokens."""
+        try:
+            with job.stats.timer("store_s"):
+                self._store_new(job.req, job.matched, job.n_given, new_kv, job.stats,
+                                job.use_shared)
+        except CorruptNode as exc:
+            # A node it had to split failed its CRC check: out of service, as on a read.
+            self.store.quarantine(exc.node, str(exc))
+            log.warning("prefix not stored: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - storing is best effort for this request
+            log.warning("prefix not stored: %s", exc, exc_info=True)
+        finally:
+            if match is not None:
+                self.store.release(match)
 
     def _store_new(self, req: Request, matched: int, n_given: int, new_kv, stats,
                    use_shared: bool) -> None:
