@@ -444,3 +444,28 @@ def test_side_by_side_attention_equals_each_context_alone():
                 torch.testing.assert_close(got[b], want[b], rtol=1e-5, atol=1e-6)
                 assert s.kv[layer].n == before[b] + 1
     assert not side.hold(seqs[:1], n_head)         # alone: attends its own context
+
+
+def test_a_pass_reads_a_shared_nodes_probe_keys_once(tiny_runtimes, tmp_path):
+    """Requests prefilled together that matched the same stored prefix read its probe
+    keys once, and answer as each did alone."""
+    rt = tiny_runtimes["llama-tiny"]
+    cfg = ServingConfig(retention=0.25)
+    policy = make_policy("impress", cfg)
+    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
+    try:
+        engine = Engine(rt, store, policy, TierSizes())
+        stem, _ = prompts()
+        engine.serve(Request(stem, [5], 1))
+        reqs = [Request(stem, [7 + i, 9, 11], 3) for i in range(3)]
+        before = store.metrics.probe_bytes_read
+        alone = [engine.serve(r) for r in reqs]
+        per_request = (store.metrics.probe_bytes_read - before) / len(reqs)
+        assert per_request > 0
+        before = store.metrics.probe_bytes_read
+        together = serve_all(engine, reqs, SchedulerConfig(max_batch_size=3))
+        assert store.metrics.probe_bytes_read - before == per_request
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        assert all(r.stats.matched_tokens == len(stem) for r in together)
+    finally:
+        store.close()

@@ -83,7 +83,7 @@ class PrefillJob:
 class _Lane:
     """One request's part of a pass: its tokens' slice, positions, read-ahead and context."""
 
-    def __init__(self, r, inp: PassInput):
+    def __init__(self, r, inp: PassInput, shared_probes: dict | None = None):
         self.inp = inp
         self.front = len(inp.front_ids)
         start = inp.matched + (inp.given.n_tokens if inp.given is not None else 0)
@@ -93,7 +93,7 @@ class _Lane:
             positions = torch.cat([torch.arange(self.front, device=r.device), positions])
         self.positions = positions[None]
         self.ahead = ReadAhead(r.store, r.policy, r.math.n_layers, inp.segments_nodes,
-                               inp.stats, front=self.front)
+                               inp.stats, front=self.front, shared_probes=shared_probes)
         self.ahead.start(0)
         if inp.given is not None:
             inp.given.start(0)
@@ -125,9 +125,12 @@ def prefill_pass(r, inputs: list[PassInput]) -> list[tuple]:
     states of its last `n_hidden` positions, and the output weights that make logits.
     `r`: the engine's LayerRunner (its weights, embedding, MLP, attention, prefix KV)."""
     lanes = []
+    # Requests that matched the same node read its probe keys once (a burst on one
+    # system prompt reads them once, not once per request).
+    shared_probes = {} if len(inputs) > 1 else None
     try:
         for inp in inputs:
-            lanes.append(_Lane(r, inp))
+            lanes.append(_Lane(r, inp, shared_probes))
         parts = []
         for lane in lanes:
             inp = lane.inp

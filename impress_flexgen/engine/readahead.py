@@ -130,6 +130,29 @@ class LayerLoader:
                 pass
 
 
+class SharedProbe:
+    """One probe section read for every request of a prefill pass that matched its node:
+    read once, CRC-checked and decoded once (by whichever request asks first), and the
+    same keys (read only) handed to each; a failed read fails each of them alike."""
+
+    def __init__(self, store, entry, node):
+        self.store, self.entry = store, entry
+        self.read = store.start_probe(entry, node)
+        self.keys: torch.Tensor | None = None
+        self.error: BaseException | None = None
+
+    def finish(self) -> torch.Tensor:
+        if self.read is not None:
+            read, self.read = self.read, None
+            try:
+                self.keys = self.store.finish_probe(read)
+            except BaseException as exc:
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+        return self.keys
+
+
 class ReadAhead:
     """Starts a layer's reads one layer ahead, on the store's reader threads.
 
@@ -144,11 +167,15 @@ class ReadAhead:
     would.
     """
 
-    def __init__(self, store, policy, n_layers: int, segments_nodes, stats, front: int = 0):
+    def __init__(self, store, policy, n_layers: int, segments_nodes, stats, front: int = 0,
+                 shared_probes: dict | None = None):
         """`stats`: the request's counters (probe_s, load_s, probe_bytes, bytes_read per
         tier, chunks_read, chunks_loaded) that the reads add to. `front`: prefix tokens the
-        request recomputes instead of loading (no chunk of theirs alone is read ahead)."""
+        request recomputes instead of loading (no chunk of theirs alone is read ahead).
+        `shared_probes`: the probe reads of the requests prefilled in the same pass, by
+        layer file (a node's probe keys are read once for all of them)."""
         self.front = front
+        self.shared_probes = shared_probes
         self.store = store
         self.n_layers = n_layers
         self.segments_nodes = segments_nodes
@@ -178,7 +205,15 @@ class ReadAhead:
             reads = []
             try:
                 for node, _ in self.segments_nodes:
-                    reads.append(self.store.start_probe(self.store.entry(node, layer), node))
+                    entry = self.store.entry(node, layer)
+                    if self.shared_probes is None:
+                        reads.append(self.store.start_probe(entry, node))
+                        continue
+                    read = self.shared_probes.get(entry.path)
+                    if read is None:
+                        read = self.shared_probes[entry.path] = SharedProbe(self.store, entry,
+                                                                            node)
+                    reads.append(read)
             except BaseException:
                 self._drain(reads)   # the request fails (a missing file): nothing in flight
                 raise
@@ -222,7 +257,7 @@ class ReadAhead:
         try:
             for (_, used), pending in zip(self.segments_nodes, reads):
                 entry = pending.entry
-                probe = self.store.finish_probe(pending)
+                probe = self._finish_probe(pending)
                 # Keys stay in stored order (scoring maps its scores back); only an
                 # unreordered node can drop its unused tail by slicing.
                 if entry.mapping is None:
@@ -239,10 +274,15 @@ class ReadAhead:
         reordered = any(pending.entry.mapping is not None for pending in reads)
         return ProbeKeys(keys, np.concatenate(columns) if reordered else None)
 
+    def _finish_probe(self, pending) -> torch.Tensor:
+        if isinstance(pending, SharedProbe):
+            return pending.finish()
+        return self.store.finish_probe(pending)
+
     def _drain(self, reads) -> None:
         for pending in reads:
             try:
-                self.store.finish_probe(pending)
+                self._finish_probe(pending)
             except Exception:  # noqa: BLE001 - nobody asked for this read
                 pass
 
