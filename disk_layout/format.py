@@ -141,7 +141,14 @@ def probe_supported(n_probe: int, n_tokens: int, head_dim: int) -> bool:
 # ---------------------------------------------------------------------------------------
 # Chunks
 
-def chunk_payload(kv: torch.Tensor, index: int, chunk_size: int) -> bytes:
-    """kv: (heads, n_tokens, head_dim) fp16 in physical order -> bytes of chunk `index`."""
-    part = kv[:, index * chunk_size:(index + 1) * chunk_size, :]
-    return part.contiguous().numpy().tobytes()
+def section_image(kv: torch.Tensor, layout: LayerFileLayout) -> tuple[np.ndarray, list[int]]:
+    """kv: (heads, n_tokens, head_dim) fp16 in physical order -> the bytes of its K (or V)
+    section, every chunk at its offset (padding zeroed), and each chunk's CRC-32. Built in
+    one copy, so a file is written with one write per section."""
+    n, c, size = layout.n_chunks, layout.chunk_size, layout.chunk_bytes
+    heads, _, d = kv.shape
+    chunks = kv[:, :n * c].reshape(heads, n, c, d).transpose(0, 1).contiguous()
+    payload = chunks.view(torch.uint8).reshape(n, size).numpy()
+    image = np.zeros(layout.section_bytes, dtype=np.uint8)
+    image[:n * layout.chunk_stride].reshape(n, layout.chunk_stride)[:, :size] = payload
+    return image, [crc32(payload[i]) for i in range(n)]

@@ -303,3 +303,27 @@ def test_write_durable_temporary_names_are_exclusive(tmp_path, monkeypatch):
     need = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     assert flags_seen[0] & need == need
     assert target.read_bytes() == b"abc" and zlib.crc32(target.read_bytes())
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_section_image_holds_each_chunk_at_its_offset(packed):
+    """A K (or V) section built in one copy: every chunk's bytes at its offset, padding
+    zero, and each chunk's CRC that of its own bytes."""
+    import torch
+
+    from disk_layout.format import LayerFileLayout, section_image
+
+    layout = LayerFileLayout(n_tokens=48, chunk_size=16, n_kv_heads=3, head_dim=64, n_probe=1,
+                             probe_format="fp16", packed=packed)
+    kv = torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(0)).half()
+    image, crcs = section_image(kv, layout)
+    assert image.nbytes == layout.section_bytes and len(crcs) == layout.n_chunks
+    base = layout.chunk_offset("k", 0)
+    used = np.zeros(image.nbytes, dtype=bool)
+    for i in range(layout.n_chunks):
+        want = kv[:, i * 16:(i + 1) * 16].contiguous().numpy().tobytes()
+        at = layout.chunk_offset("k", i) - base
+        assert image[at:at + len(want)].tobytes() == want
+        assert crcs[i] == zlib.crc32(want) & 0xFFFFFFFF
+        used[at:at + len(want)] = True
+    assert not image[~used].any()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from disk_layout import io as dio
-from disk_layout.format import LayerFileLayout, chunk_payload, crc32, encode_probe, probe_supported
+from disk_layout.format import LayerFileLayout, crc32, encode_probe, probe_supported, section_image
 
 from ..radix import RadixNode
 from .config import DiskFull, StoreWriteFailed
@@ -51,10 +51,9 @@ class LayerFiles:
         pieces = [(0, probe)]
         crcs = [crc32(probe)]
         for kind, tensor in (("k", k), ("v", v)):
-            for i in range(layout.n_chunks):
-                payload = chunk_payload(tensor, i, layout.chunk_size)
-                pieces.append((layout.chunk_offset(kind, i), payload))
-                crcs.append(crc32(payload))
+            image, chunk_crcs = section_image(tensor, layout)
+            pieces.append((layout.chunk_offset(kind, 0), image))
+            crcs += chunk_crcs
         dio.write_durable(str(path), pieces, layout.file_bytes)
         return np.asarray(crcs, dtype=np.uint32)
 
