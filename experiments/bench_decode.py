@@ -5,7 +5,10 @@
 
 `--batch N` also decodes N such requests stepped together (one batched decode step per token,
 see batch_runner) against one after another: what batching buys per step, with the weights
-where `--placement` puts them (off the compute device, every step moves them).
+where `--placement` puts them (off the compute device, every step moves them); the batch runs
+with its contexts side by side (one attention call per layer) and request by request, in
+turn, `--rounds` times. `--masked F` has each KV head leave out a fraction F of each
+context's prompt tokens, as a per-head selection does (masked contexts cost more per call).
 
 Both decode the same prompt greedily, one token at a time with a KV cache, in one process
 (absolute figures on a shared machine are noisy; the ratio is what to read). Also measures a
@@ -21,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
+from impress_flexgen.cli import ArgumentParser, finite_float, int_range, run_main, write_json
 
 
 def memcpy_gb_s(device, mb: int = 512, rounds: int = 5) -> float:
@@ -57,8 +60,11 @@ def ours(rt, prompt, n_tokens, profile=False):
     return resp.tokens, 1.0 / resp.stats.decode_s_per_token
 
 
-def batched(rt, prompt, n_tokens, batch):
-    """Decode tokens/s of `batch` requests stepped together, and of one alone."""
+def batched(rt, prompt, n_tokens, batch, rounds=1, masked=0.0):
+    """Decode tokens/s of `batch` requests stepped together, with their contexts side by
+    side (the engine's way) and request by request, in turn for `rounds` rounds (medians),
+    and of one alone. `masked`: the fraction of each context's prompt tokens each KV head
+    leaves out (seeded), as a policy's per-head selection does; 0 attends everything."""
     from policies import make_policy
     from impress_flexgen.engine import Engine, Request
     from impress_flexgen.serving import RunConfig
@@ -66,13 +72,27 @@ def batched(rt, prompt, n_tokens, batch):
     engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
     reqs = [Request(prompt[:-1 - i], prompt[-1 - i:], max_new_tokens=n_tokens)
             for i in range(batch)]
-    seqs = [engine.start(r) for r in reqs]
-    t0 = time.perf_counter()
-    while not all(s.done for s in seqs):
-        engine.step([s for s in seqs if not s.done])
-    together = sum(s.steps for s in seqs) / (time.perf_counter() - t0)
+    g = torch.Generator().manual_seed(0)
+    speed = {"side_by_side": [], "per_request": []}
+    for _ in range(rounds):
+        for layout, runs in speed.items():
+            seqs = [engine.start(r) for r in reqs]
+            if masked:
+                for s in seqs:
+                    for kv in s.kv:
+                        keep = torch.ones(engine.math.n_head, kv.k.shape[1], dtype=torch.bool)
+                        keep[:, 1:kv.n] = torch.rand(keep.shape[0], kv.n - 1, generator=g) >= masked
+                        kv.mask = keep
+            engine.runner.side_by_side = layout == "side_by_side"
+            t0 = time.perf_counter()
+            while not all(s.done for s in seqs):
+                engine.step([s for s in seqs if not s.done])
+            runs.append(sum(s.steps for s in seqs) / (time.perf_counter() - t0))
+            for s in seqs:
+                engine.finish(s)
+    engine.runner.side_by_side = True
     alone = 1.0 / engine.serve(reqs[0]).stats.decode_s_per_token
-    return together, alone
+    return {k: float(np.median(v)) for k, v in speed.items()}, speed, alone
 
 
 def transformers_generate(model, prompt, n_tokens):
@@ -105,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int_range(1, 64), default=1)
     ap.add_argument("--placement", default="gpu", help="weights' placement (gpu)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--masked", type=finite_float(0, 0.99), default=0.0,
+                    help="with --batch: fraction of each context's prompt tokens each head "
+                         "leaves out, as a per-head selection does (0)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true",
                     help="16 tokens after a 64-token prompt, one round")
@@ -135,9 +158,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
         if args.batch > 1:
-            together, alone = batched(rt, prompt, args.tokens, args.batch)
+            together, runs, alone = batched(rt, prompt, args.tokens, args.batch,
+                                            args.rounds, args.masked)
             rows.append({"batch": args.batch, "placement": args.placement,
-                         "batched_tokens_per_s": together, "alone_tokens_per_s": alone})
+                         "masked": args.masked,
+                         "batched_tokens_per_s": together["side_by_side"],
+                         "per_request_attention_tokens_per_s": together["per_request"],
+                         "batched_runs": runs, "alone_tokens_per_s": alone})
             print(rows[-1], flush=True)
         bw = memcpy_gb_s(device)
         result = {"model": args.model, "device": str(device), "prompt": args.prompt,

@@ -29,6 +29,7 @@ class BatchRunner:
         # SDPA on a CPU has no half-precision kernel worth using: attend in float32 there.
         self.work = torch.float32 if engine.device.type == "cpu" else None
         self.side = SideBySide()
+        self.side_by_side = True    # False: request by request (benchmarks compare the two)
 
     def step(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence its next input; returns the token each one picked. Sequences
@@ -41,7 +42,8 @@ class BatchRunner:
         hidden = self._embed(ids, pos, stats)
         positions = torch.tensor(pos, device=e.device)[:, None]
         rope = e.math.rope(positions, hidden.val.data.dtype)
-        side = self.side if self.side.hold(seqs, e.math.n_head) else None
+        side = self.side if self.side_by_side and self.side.hold(seqs, e.math.n_head) \
+            else None
         for layer in range(e.math.n_layers):
             weights = e._weights(1 + 2 * layer, stats)
             x = hidden.val.data

@@ -13,3 +13,18 @@ def test_prefill_decode_quick(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert len(rows) == 4  # two tiny models x two placements
     assert all(r["prefill_s"] > 0 and r["decode_s_per_token"] > 0 for r in rows)
+
+
+def test_bench_decode_compares_the_attention_layouts(tmp_path):
+    """--batch N decodes the batch with its contexts side by side and request by request,
+    in turn, masked as a per-head selection leaves them."""
+    from experiments import bench_decode
+
+    out = tmp_path / "bd.json"
+    assert bench_decode.main(["--model", "llama-tiny", "--tokens", "8", "--prompt", "32",
+                              "--no-hf", "--batch", "3",
+                              "--masked", "0.5", "--rounds", "2", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rounds"][-1]
+    assert row["batch"] == 3 and row["masked"] == 0.5
+    assert row["batched_tokens_per_s"] > 0 and row["per_request_attention_tokens_per_s"] > 0
+    assert [len(v) for v in row["batched_runs"].values()] == [2, 2]
