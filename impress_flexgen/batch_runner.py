@@ -112,7 +112,7 @@ class SideBySide:
 
     def __init__(self) -> None:
         self.members: list[int] = []
-        self.layers: list[tuple] = []      # per layer (K, V, mask, lengths)
+        self.layers: list[list] = []   # per layer [K, V, mask, lengths, longest length]
         self.seqs: list[Sequence] = []
 
     def hold(self, seqs: list[Sequence], n_head: int) -> bool:
@@ -136,7 +136,7 @@ class SideBySide:
             for b, kv in enumerate(ctx):
                 kv.bind(keys[b], values[b], mask[b, :, 0])
             lengths = torch.tensor([kv.n for kv in ctx], device=like.device)
-            self.layers.append((keys, values, mask, lengths))
+            self.layers.append([keys, values, mask, lengths, max(kv.n for kv in ctx)])
         self.members, self.seqs = [id(s) for s in seqs], list(seqs)
         return True
 
@@ -148,7 +148,8 @@ class SideBySide:
     def attend(self, layer: int, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
         """q (B, H, 1, d), k_new and v_new (B, KV, 1, d): each row's new token over its own
         context plus itself."""
-        keys, values, mask, lengths = self.layers[layer]
+        held = self.layers[layer]
+        keys, values, mask, lengths, longest = held
         rows = torch.arange(len(self.seqs), device=keys.device)
         keys[rows, :, lengths] = k_new[:, :, 0]
         values[rows, :, lengths] = v_new[:, :, 0]
@@ -156,7 +157,7 @@ class SideBySide:
         lengths += 1
         for s in self.seqs:
             s.kv[layer].n += 1
-        end = int(lengths.max())
+        end = held[4] = longest + 1          # every row grew by one
         work = work or q.dtype
         out = F.scaled_dot_product_attention(
             q.to(work), keys[:, :, :end].to(work), values[:, :, :end].to(work),
