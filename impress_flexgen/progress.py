@@ -33,10 +33,15 @@ def _say(text: str) -> None:
         pass
 
 
+class Stopped(Exception):
+    """A step given up on purpose (its owner is closing): said as stopped, not failed."""
+
+
 @contextlib.contextmanager
 def step(what: str, after_s: float = 0.0) -> Iterator[None]:
     """Say `what...` when the block has run `after_s` seconds (0: at once), and
-    `what: done in X s` (or `what: failed after X s`) when it ends, if it was announced."""
+    `what: done in X s` (or `what: failed after X s`, `stopped after X s`) when it ends, if
+    it was announced."""
     t0 = time.perf_counter()
     said = threading.Event()
     lock = threading.Lock()
@@ -54,10 +59,13 @@ def step(what: str, after_s: float = 0.0) -> Iterator[None]:
         timer = threading.Timer(after_s, announce)
         timer.daemon = True
         timer.start()
-    ok = False
+    ok, outcome = False, "failed after"
     try:
         yield
         ok = True
+    except Stopped:
+        outcome = "stopped after"
+        raise
     finally:
         if timer is not None:
             timer.cancel()
@@ -66,4 +74,4 @@ def step(what: str, after_s: float = 0.0) -> Iterator[None]:
             said.set()          # a timer firing now says nothing
         if announced:
             took = time.perf_counter() - t0
-            _say(f"{what}: {'done in' if ok else 'failed after'} {took:.1f} s")
+            _say(f"{what}: {'done in' if ok else outcome} {took:.1f} s")

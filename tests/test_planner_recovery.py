@@ -148,3 +148,30 @@ def test_millisecond_requests_never_trigger_a_recalibration(tmp_path, monkeypatc
         assert stats.ttft_s > 10 * plan.predicted_s
         planner.observe(stats, 0, 0.0, 0)
     assert planner.wait_recalibration(5) and planner.recalibrations == 0
+
+
+def test_closing_stops_a_recalibration_under_way(tmp_path, monkeypatch):
+    """A recalibration runs prefills on the engine from its own thread: closing the planner
+    stops it after the point it is measuring and waits for it, so it never outlives the
+    engine (a thread still inside the model when the process exits aborts the process)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
+    engine = FakeEngine()
+    measuring = threading.Event()
+
+    def slow(n, ctx=0):
+        measuring.set()
+        time.sleep(0.2)
+        return TRUE.predict(n, ctx)
+
+    engine.measure_prefill = slow
+    planner = prefix_plan.PrefixPlanner(engine)
+    planner.budget_s = None                    # every point: far longer than the test waits
+    planner.recalibrate()
+    assert measuring.wait(5)
+    t0 = time.perf_counter()
+    planner.close()
+    assert time.perf_counter() - t0 < 1.0
+    assert planner.wait_recalibration(0) and planner.recalibrations == 0

@@ -72,3 +72,12 @@ def test_a_slow_weight_preparation_and_tokenizer_speak(monkeypatch, capsys):
     monkeypatch.setattr(tok, "load_tokenizer", lambda spec: time.sleep(0.3) or "tok")
     assert runtime.load_tokenizer(spec) == "tok"
     assert "loading the tokenizer of llama-tiny" in capsys.readouterr().err
+
+
+def test_a_step_given_up_on_purpose_says_stopped(capsys):
+    for raised, said in ((progress.Stopped(), "stopped after"), (OSError(), "failed after")):
+        with pytest.raises(type(raised)):
+            with progress.step("calibrating"):
+                raise raised
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"impress_flexgen: calibrating: {said} ")

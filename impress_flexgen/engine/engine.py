@@ -117,8 +117,10 @@ class Engine:
         self.writer = StoreWriter()         # 5. stores, behind the decode steps
 
     def close(self) -> None:
-        """Finish the stores handed to the writer, then stop the shared pool's threads (the
-        store and runtime are closed by their owner)."""
+        """Stop the planner's recalibration, finish the stores handed to the writer, then
+        stop the shared pool's threads (the store and runtime are closed by their owner)."""
+        if self.planner is not None:
+            self.planner.close()
         self.writer.wait_idle()
         if self.shared is not None:
             self.shared.tier.close()

@@ -63,6 +63,10 @@ EXPLORE_AFTER, EXPLORE_MARGIN = 20, 0.5
 log = logging.getLogger("impress_flexgen.planner")
 
 
+class _Closing(progress.Stopped):
+    """The planner is closing: a recalibration stops between two points."""
+
+
 def cache_dir() -> Path:
     """Where calibrations are cached: the one cache root (paths.cache_dir)."""
     return paths.cache_dir()
@@ -126,6 +130,7 @@ class Planner:
         self._calm_until = 0
         self._generation = 0
         self._recalibration: threading.Thread | None = None
+        self._closing = threading.Event()   # close(): a recalibration stops at its next point
         self.recalibrations = 0
         self.explored = 0
 
@@ -151,7 +156,7 @@ class Planner:
         key = self.machine
         name = hashlib.sha256(key.encode()).hexdigest()[:16]
         key += f";budget={self.budget_s}"
-        return calibrate(self.measure, self.points, cache_dir() / "costs" / f"{name}.json",
+        return calibrate(self._measure, self.points, cache_dir() / "costs" / f"{name}.json",
                          key=key, budget_s=self.budget_s, use_cache=use_cache,
                          announce=progress.step)
 
@@ -168,6 +173,20 @@ class Planner:
         if wait:
             thread.join()
 
+    def _measure(self, n: int, ctx: int = 0) -> float:
+        if self._closing.is_set():
+            raise _Closing()
+        return self.measure(n, ctx)
+
+    def close(self) -> None:
+        """Stop a recalibration under way (after the point it is measuring) and wait for
+        it: its thread runs prefills on the engine, which must not outlive the engine (a
+        thread still inside the model when the process exits aborts it)."""
+        self._closing.set()
+        thread = self._recalibration
+        if thread is not None:
+            thread.join()
+
     def wait_recalibration(self, timeout: float | None = None) -> bool:
         """Wait for a recalibration under way; True when none is (any more)."""
         thread = self._recalibration
@@ -178,6 +197,9 @@ class Planner:
     def _recalibrate(self) -> None:
         try:
             curve = self._calibrate(use_cache=False)
+        except _Closing:
+            log.debug("planner recalibration stopped: the engine is closing")
+            return
         except Exception as exc:   # a closed engine, a failed prefill: keep the old curve
             log.warning("planner recalibration failed (%s): keeping the current curve", exc)
             return
