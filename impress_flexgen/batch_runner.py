@@ -111,18 +111,17 @@ class SideBySide:
     """
 
     def __init__(self) -> None:
-        self.members: list[int] = []
+        self.seqs: list[Sequence] = []       # the members, in row order
         self.layers: list[list] = []   # per layer [K, V, mask, lengths, longest length]
-        self.seqs: list[Sequence] = []
 
     def hold(self, seqs: list[Sequence], n_head: int) -> bool:
         """Lay out `seqs` side by side (if not already); False when they cannot be: one
         sequence alone, or one whose decode-phase policy attends its own pages."""
         if len(seqs) < 2 or any(s.pages is not None or s.kv is None or
                                 any(kv is None for kv in s.kv) for s in seqs):
-            self.members, self.layers, self.seqs = [], [], []
+            self.seqs, self.layers = [], []
             return False
-        if [id(s) for s in seqs] == self.members:
+        if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
             return True
         self.layers = []
         for j in range(len(seqs[0].kv)):
@@ -137,13 +136,13 @@ class SideBySide:
                 kv.bind(keys[b], values[b], mask[b, :, 0])
             lengths = torch.tensor([kv.n for kv in ctx], device=like.device)
             self.layers.append([keys, values, mask, lengths, max(kv.n for kv in ctx)])
-        self.members, self.seqs = [id(s) for s in seqs], list(seqs)
+        self.seqs = list(seqs)
         return True
 
     def forget(self, seq: Sequence) -> None:
         """A member is done: the buffers go with the batch, not with the next step."""
         if any(s is seq for s in self.seqs):
-            self.members, self.layers, self.seqs = [], [], []
+            self.seqs, self.layers = [], []
 
     def attend(self, layer: int, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
         """q (B, H, 1, d), k_new and v_new (B, KV, 1, d): each row's new token over its own

@@ -131,9 +131,9 @@ class LayerLoader:
 
 
 class SharedProbe:
-    """One probe section read for every request of a prefill pass that matched its node:
-    read once, CRC-checked and decoded once (by whichever request asks first), and the
-    same keys (read only) handed to each; a failed read fails each of them alike."""
+    """One probe section read (a request's own, or shared by the requests of a prefill
+    pass that matched its node): CRC-checked and decoded once, by whichever asks first, and
+    the same keys (read only) handed to each; a failed read fails each of them alike."""
 
     def __init__(self, store, entry, node):
         self.store, self.entry = store, entry
@@ -203,17 +203,14 @@ class ReadAhead:
             return
         if self.probes_on and self.policy.probes_layer(layer) and layer not in self.pending:
             reads = []
+            # Alone, a request's reads are its own; in a pass, requests share them by file.
+            shared = self.shared_probes if self.shared_probes is not None else {}
             try:
                 for node, _ in self.segments_nodes:
                     entry = self.store.entry(node, layer)
-                    if self.shared_probes is None:
-                        reads.append(self.store.start_probe(entry, node))
-                        continue
-                    read = self.shared_probes.get(entry.path)
-                    if read is None:
-                        read = self.shared_probes[entry.path] = SharedProbe(self.store, entry,
-                                                                            node)
-                    reads.append(read)
+                    if entry.path not in shared:
+                        shared[entry.path] = SharedProbe(self.store, entry, node)
+                    reads.append(shared[entry.path])
             except BaseException:
                 self._drain(reads)   # the request fails (a missing file): nothing in flight
                 raise
@@ -257,7 +254,7 @@ class ReadAhead:
         try:
             for (_, used), pending in zip(self.segments_nodes, reads):
                 entry = pending.entry
-                probe = self._finish_probe(pending)
+                probe = pending.finish()
                 # Keys stay in stored order (scoring maps its scores back); only an
                 # unreordered node can drop its unused tail by slicing.
                 if entry.mapping is None:
@@ -274,15 +271,10 @@ class ReadAhead:
         reordered = any(pending.entry.mapping is not None for pending in reads)
         return ProbeKeys(keys, np.concatenate(columns) if reordered else None)
 
-    def _finish_probe(self, pending) -> torch.Tensor:
-        if isinstance(pending, SharedProbe):
-            return pending.finish()
-        return self.store.finish_probe(pending)
-
     def _drain(self, reads) -> None:
         for pending in reads:
             try:
-                self._finish_probe(pending)
+                pending.finish()
             except Exception:  # noqa: BLE001 - nobody asked for this read
                 pass
 

@@ -41,10 +41,6 @@ class StoreWriter:
                 self._thread.start()
         return done
 
-    @property
-    def pending(self) -> int:
-        return self._pending
-
     def wait_idle(self) -> None:
         """Return once every store handed over so far is written (or has failed)."""
         with self._lock:
