@@ -8,6 +8,7 @@ another of them stores: it waits for a second pass and loads it, as when served 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -81,6 +82,20 @@ def serve_both(rt, tmp_path, name, retention, stop_token=None, batch=8):
             if store is not None:
                 store.close()
     return results
+
+
+@contextlib.contextmanager
+def engine_on_store(rt, path, name="full", retention=None):
+    """An engine of policy `name` over a fresh store at `path` (both closed after)."""
+    cfg = ServingConfig() if retention is None else ServingConfig(retention=retention)
+    policy = make_policy(name, cfg)
+    store = open_store(path, rt, cfg, policy, chunk_size=CHUNK)
+    try:
+        engine = Engine(rt, store, policy, TierSizes())
+        yield engine, store
+        engine.close()
+    finally:
+        store.close()
 
 
 def check_equal(alone, batched):
@@ -323,12 +338,7 @@ def test_a_request_decodes_while_its_prefix_is_stored(tiny_runtimes, tmp_path):
     and matches it, as when stores were written in line."""
     import threading
 
-    rt = tiny_runtimes["llama-tiny"]
-    cfg = ServingConfig()
-    policy = make_policy("full", cfg)
-    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
-    try:
-        engine = Engine(rt, store, policy, TierSizes())
+    with engine_on_store(tiny_runtimes["llama-tiny"], tmp_path / "s") as (engine, store):
         stem, _ = prompts()
         streamed = threading.Event()
         insert, seen = store.insert, []
@@ -364,18 +374,10 @@ def test_a_request_decodes_while_its_prefix_is_stored(tiny_runtimes, tmp_path):
         while not first.done:
             engine.step([first])
         engine.finish(first)
-        engine.close()
-    finally:
-        store.close()
 
 
 def test_a_failed_store_leaves_the_request_answered(tiny_runtimes, tmp_path):
-    rt = tiny_runtimes["llama-tiny"]
-    cfg = ServingConfig()
-    policy = make_policy("full", cfg)
-    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
-    try:
-        engine = Engine(rt, store, policy, TierSizes())
+    with engine_on_store(tiny_runtimes["llama-tiny"], tmp_path / "s") as (engine, store):
         stem, _ = prompts()
         want = engine.serve(Request(stem, [5, 6], 4)).tokens        # stored in passing
 
@@ -389,8 +391,6 @@ def test_a_failed_store_leaves_the_request_answered(tiny_runtimes, tmp_path):
         assert store.tree.match_prefix(other).length == CHUNK        # not stored
         assert engine.serve(Request(stem, [5, 6], 4)).tokens == want  # nothing left pinned
         assert all(n.lock_count == 0 for n in store.tree.nodes.values())
-    finally:
-        store.close()
 
 
 def test_side_by_side_attention_equals_each_context_alone():
@@ -449,12 +449,8 @@ def test_side_by_side_attention_equals_each_context_alone():
 def test_a_pass_reads_a_shared_nodes_probe_keys_once(tiny_runtimes, tmp_path):
     """Requests prefilled together that matched the same stored prefix read its probe
     keys once, and answer as each did alone."""
-    rt = tiny_runtimes["llama-tiny"]
-    cfg = ServingConfig(retention=0.25)
-    policy = make_policy("impress", cfg)
-    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=CHUNK)
-    try:
-        engine = Engine(rt, store, policy, TierSizes())
+    with engine_on_store(tiny_runtimes["llama-tiny"], tmp_path / "s", "impress",
+                         0.25) as (engine, store):
         stem, _ = prompts()
         engine.serve(Request(stem, [5], 1))
         reqs = [Request(stem, [7 + i, 9, 11], 3) for i in range(3)]
@@ -467,5 +463,3 @@ def test_a_pass_reads_a_shared_nodes_probe_keys_once(tiny_runtimes, tmp_path):
         assert store.metrics.probe_bytes_read - before == per_request
         assert [r.tokens for r in together] == [r.tokens for r in alone]
         assert all(r.stats.matched_tokens == len(stem) for r in together)
-    finally:
-        store.close()
