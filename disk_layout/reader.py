@@ -53,7 +53,10 @@ class DiskReader:
                  pool_bytes: int = 256 << 20, rate_limit_bytes_s: float | None = None):
         self.limit = _read_limit(rate_limit_bytes_s)
         self.direct = direct and hasattr(dio.os, "O_DIRECT")
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-read")
+        # Readers run torch on themselves alone: a CPU team of their own would slow the
+        # computing thread's products (impress_flexgen.cpu_threads).
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-read",
+                                       initializer=torch.set_num_threads, initargs=(1,))
         self.buffers = BufferPool(pool_bytes)
         self._fds: OrderedDict[str, _Fd] = OrderedDict()
         self._lock = threading.Lock()

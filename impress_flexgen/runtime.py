@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import compat, progress, scratch, weights
+from . import compat, cpu_threads, progress, scratch, weights
 from .errors import UserError
 from .models import ModelSpec, resolve
 from .paths import offload_dir as default_offload_dir
@@ -161,7 +161,9 @@ class Runtime:
         self._tokenizer = tokenizer
         try:
             t0 = time.perf_counter()
-            self.model = self._build()
+            # The thread that computes should be the only one owning a CPU team (cpu_threads).
+            with cpu_threads.single_threaded():
+                self.model = self._build()
             self.load_s = time.perf_counter() - t0
         except BaseException:
             self.close()

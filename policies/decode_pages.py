@@ -294,7 +294,10 @@ class PagedDecode:
         if tp.last_q is None or r >= pool.n_pages or tp.future is not None:
             return
         if self._pool_executor is None:
-            self._pool_executor = concurrent.futures.ThreadPoolExecutor(1, "page-prefetch")
+            # On this thread alone: a CPU team of its own would slow the decode step's
+            # products (impress_flexgen.cpu_threads).
+            self._pool_executor = concurrent.futures.ThreadPoolExecutor(
+                1, "page-prefetch", initializer=torch.set_num_threads, initargs=(1,))
         tp.future = self._pool_executor.submit(self.selector.select, tp.struct, tp.last_q,
                                                2 * r, target, self.step)
 

@@ -297,26 +297,6 @@ def test_an_idle_service_gathers_a_burst_into_one_pass(tiny_runtimes, tmp_path, 
     assert passes[0] == (3 if gather_s else 1), passes
 
 
-def test_few_row_products_equal_f_linear():
-    """A decode batch's few rows take weight @ x.T on a CPU: the same product as F.linear
-    (to rounding), with and without a bias, for 3-D inputs; one row is F.linear itself."""
-    import torch.nn.functional as F
-
-    from impress_flexgen.models.base import FEW_ROWS, linear
-
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 40, generator=gen)
-    b = torch.randn(96, generator=gen)
-    for rows in (1, 2, 5, FEW_ROWS, FEW_ROWS + 1, 64):
-        x = torch.randn(rows, 1, 40, generator=gen)
-        for bias in (None, b):
-            got, want = linear(x, w, bias), F.linear(x, w, bias)
-            assert got.shape == want.shape and got.is_contiguous()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            if rows == 1 or rows > FEW_ROWS:
-                assert torch.equal(got, want)
-
-
 def test_bench_serve_checks_its_prompts_before_running(capsys):
     """The default rows (up to 16 clients x 3 distinct 2,000-character prompts) have their
     passages; a count the books cannot hold is refused at once, not after the rows before."""

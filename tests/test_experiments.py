@@ -28,3 +28,17 @@ def test_bench_decode_compares_the_attention_layouts(tmp_path):
     assert row["batch"] == 3 and row["masked"] == 0.5
     assert row["batched_tokens_per_s"] > 0 and row["per_request_attention_tokens_per_s"] > 0
     assert [len(v) for v in row["batched_runs"].values()] == [2, 2]
+
+
+def test_bench_compute_thread_runs_both_settings(tmp_path):
+    """Each round runs one fresh process per setting; the JSON has both and their ratio."""
+    from experiments import bench_compute_thread
+
+    out = tmp_path / "ct.json"
+    assert bench_compute_thread.main(["--model", "llama-tiny", "--tokens", "4", "--prompt",
+                                      "16", "--batch", "2", "--rounds", "1",
+                                      "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["runs"]) == {"one_team", "second_team"}
+    assert all(len(v) == 1 and v[0]["batch_tokens_per_s"] > 0 for v in got["runs"].values())
+    assert got["one_team_over_second_team"]["alone_tokens_per_s"] > 0

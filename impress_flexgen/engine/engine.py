@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -41,6 +40,7 @@ import torch
 from policies import ServingPolicy
 
 from .batch_prefill import PrefillJob, prefill_pass
+from .. import cpu_threads
 from ..batch_runner import BatchRunner
 from ..errors import UserError
 from ..planner.context import ContextKV
@@ -81,7 +81,7 @@ class Engine:
         # FlexGen's weight buffers and the policy's per-layer state belong to one request at
         # a time: requests from several threads take turns through the layers (the store
         # serves several engines at once).
-        self._serving = threading.RLock()
+        self._serving = cpu_threads.ComputeLock()
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \

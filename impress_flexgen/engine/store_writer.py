@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+from .. import cpu_threads
+
 
 class StoreWriter:
     def __init__(self) -> None:
@@ -48,6 +50,7 @@ class StoreWriter:
                 self._idle.wait()
 
     def _run(self) -> None:
+        cpu_threads.helper_thread()
         while True:
             with self._lock:
                 if not self._jobs:

@@ -13,22 +13,12 @@ def dense(weight):
     return weight
 
 
-# Rows up to which a CPU product runs as weight @ x.T (see linear()).
-FEW_ROWS = 16
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight.T (+ bias), as F.linear. On a CPU, a decode batch of 2-16 rows runs as
-    weight @ x.T: MKL's GEMM for a few rows streams a large weight at a third of the speed
-    of one row, while the transposed product keeps its speed (experiments.bench_decode
-    --batch). One row and a prompt's many rows take F.linear as before."""
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or not 1 < rows <= FEW_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    """x @ weight.T (+ bias): every product of the models goes through here. F.linear is
+    the fastest at every row count a decode batch has (1-16) once one thread owns the CPU
+    team (cpu_threads); `weight @ x.T` measured faster for 2-16 rows only while a second
+    thread owned one too."""
+    return F.linear(x, weight, bias)
 
 
 def pick_next_token(logits: torch.Tensor, do_sample: bool, temperature: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from disk_layout import io as dio
 from disk_layout.metadata import LayerRow
 
+from .. import cpu_threads
 from ..radix import RadixNode
 from .config import CorruptNode, StoreWriteFailed
 from .entries import LayerEntry, LayerStats
@@ -196,6 +197,7 @@ class ReorderEngine:
         self._wake.set()
 
     def _run(self) -> None:
+        cpu_threads.helper_thread()
         while True:
             self._wake.wait()
             self._wake.clear()

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from .. import cpu_threads
 from .remote import RedisTier, RemoteNamespace
 
 log = logging.getLogger("impress_flexgen.tiers.remote")
@@ -92,6 +93,7 @@ class StoredOffers:
 
     # -- the thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        cpu_threads.helper_thread()
         while True:
             with self._cv:
                 while not self._jobs and not self._stop:

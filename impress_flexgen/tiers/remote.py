@@ -21,6 +21,7 @@ import redis
 import redis.exceptions
 import torch
 
+from .. import cpu_threads
 from .base import nbytes
 from .remote_codec import (  # noqa: F401 - re-exported: the tier's public names
     DIGEST_SIZE,
@@ -199,6 +200,7 @@ class RedisTier(ChunkWriter):
         return pending.future.result()
 
     def _read_loop(self) -> None:
+        cpu_threads.helper_thread()
         while True:
             job = self._jobs.get()
             if job is None:

@@ -13,6 +13,7 @@ import redis
 import redis.exceptions
 import torch
 
+from .. import cpu_threads
 from ..errors import UserError
 from .base import payload_crc
 from .remote_codec import HEADER_SIZE, encode_value, layer_key, marker_key
@@ -126,6 +127,7 @@ class ChunkWriter(PoolLink):
         return queued
 
     def _write_loop(self) -> None:
+        cpu_threads.helper_thread()
         while True:
             with self._cv:
                 while not self._queue and not self._stop:

@@ -1,0 +1,65 @@
+"""On a CPU, the thread that computes uses every core; the runtime's other threads use one.
+
+torch's CPU build runs a parallel operation on an OpenMP team that belongs to the calling
+thread and lives as long as that thread does. While a second long-lived thread owns such a
+team (the main thread that loaded the weights, say), the computing thread's small matrix
+products run at about half speed: on a 2-core machine one decode step's products took
+30.9 ms on the scheduler's thread after the main thread had loaded the weights with a team
+of its own, 15.4 ms when it had loaded them single-threaded (docs/design.md, "One thread
+computes"). So the weights load single-threaded, the helper threads (store writer, disk
+readers, tiers, page prefetch) run torch on themselves alone, and whoever holds an
+engine's ComputeLock computes with every core. torch keeps one process-wide count that a
+thread's first parallel operation starts from, which a helper's count of one would
+otherwise hand to the next thread: the lock sets its holder's count each time. A GPU's
+arithmetic is not affected.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+# The count the process starts with (the cores it may use, or what the user set before
+# importing the runtime): the computing thread's.
+COMPUTE_THREADS = torch.get_num_threads()
+
+
+def helper_thread() -> None:
+    """First thing on a helper thread: its torch operations run on this thread alone."""
+    torch.set_num_threads(1)
+
+
+def compute_thread() -> None:
+    """The calling thread computes: with COMPUTE_THREADS threads."""
+    if torch.get_num_threads() != COMPUTE_THREADS:
+        torch.set_num_threads(COMPUTE_THREADS)
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """Run the block's torch operations on the calling thread alone (no team is started),
+    then restore its count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class ComputeLock:
+    """An engine's lock: one holder at a time (FlexGen's weight buffers and a policy's
+    per-layer state belong to one request at a time), computing with every core.
+    Reentrant."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> "ComputeLock":
+        self._lock.acquire()
+        compute_thread()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()

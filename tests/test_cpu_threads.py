@@ -1,0 +1,84 @@
+"""One thread computes with every core; the runtime's helper threads use one (cpu_threads)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from impress_flexgen import cpu_threads
+
+
+def _on_thread(fn):
+    box = []
+    th = threading.Thread(target=lambda: box.append(fn()))
+    th.start()
+    th.join()
+    return box[0]
+
+
+def _restore(n: int) -> None:
+    # torch's process-wide count (a fresh thread's start) back to what the tests began with.
+    _on_thread(lambda: torch.set_num_threads(n))
+
+
+def test_compute_lock_gives_its_holder_the_compute_count(monkeypatch):
+    """A helper's count of one is what the next fresh thread starts with; holding an
+    engine's ComputeLock sets the holder's count back to COMPUTE_THREADS."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "COMPUTE_THREADS", 3)
+    lock = cpu_threads.ComputeLock()
+    try:
+        assert _on_thread(lambda: (cpu_threads.helper_thread(), torch.get_num_threads())[1]) == 1
+        assert _on_thread(torch.get_num_threads) == 1       # inherited from the helper
+
+        def computing():
+            with lock:
+                with lock:                                  # reentrant
+                    return torch.get_num_threads()
+        assert _on_thread(computing) == 3
+    finally:
+        _restore(before)
+
+
+def test_single_threaded_restores_the_callers_count():
+    n = torch.get_num_threads()
+    with cpu_threads.single_threaded():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == n
+
+
+def test_runtime_loads_the_weights_single_threaded(monkeypatch):
+    """The main thread that loads the weights starts no CPU team of its own."""
+    from impress_flexgen.runtime import Runtime, RuntimeConfig
+
+    seen = []
+    build = Runtime._build
+
+    def spy(self):
+        seen.append(torch.get_num_threads())
+        return build(self)
+
+    monkeypatch.setattr(Runtime, "_build", spy)
+    n = torch.get_num_threads()
+    with Runtime(RuntimeConfig(model="llama-tiny")):
+        pass
+    assert seen == [1] and torch.get_num_threads() == n
+
+
+def test_helper_threads_run_torch_alone(tmp_path):
+    """The store writer and the disk readers run torch on themselves alone."""
+    from disk_layout.reader import DiskReader
+    from impress_flexgen.engine.store_writer import StoreWriter
+
+    before = torch.get_num_threads()
+    try:
+        writer = StoreWriter()
+        assert writer.submit(torch.get_num_threads).result(timeout=30) == 1
+        writer.wait_idle()
+        reader = DiskReader(threads=2)
+        try:
+            assert reader.pool.submit(torch.get_num_threads).result(timeout=30) == 1
+        finally:
+            reader.close()
+    finally:
+        _restore(before)
