@@ -48,6 +48,26 @@ def single_threaded():
         torch.set_num_threads(n)
 
 
+def on_passing_thread(fn, *args):
+    """fn(*args) on a thread that ends with it (its result, or its exception raised here):
+    computing done before the serving thread starts (calibrating at start-up) leaves no
+    team behind on the caller's thread."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="compute-once")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
 class ComputeLock:
     """An engine's lock: one holder at a time (FlexGen's weight buffers and a policy's
     per-layer state belong to one request at a time), computing with every core.

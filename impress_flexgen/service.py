@@ -62,6 +62,7 @@ class Service:
         """Builds the runtime (unless one is given: then it stays the caller's to close),
         opens the store, builds the engine (its planner calibrated, its shared pool asked
         once) and starts the worker."""
+        from . import cpu_threads
         from .scheduler import Scheduler, SchedulerConfig
         from .serving import start_engine
 
@@ -73,8 +74,10 @@ class Service:
             self.model_name = self.rt.spec.name
             self.frontend = Frontend(self.rt.spec, tokenizer or self.rt.tokenizer,
                                      config.run.chunk_size)
-            # Before any request: none pays for calibrating, none waits on a dead pool.
-            self.warnings = start_engine(self.engine)
+            # Before any request: none pays for calibrating, none waits on a dead pool. On
+            # a thread that ends with it: the worker is to be the one thread that keeps a
+            # CPU team (cpu_threads).
+            self.warnings = cpu_threads.on_passing_thread(start_engine, self.engine)
         except BaseException:
             self._close_engine_store_and_runtime()
             raise
@@ -86,8 +89,9 @@ class Service:
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             config.max_batch_size, config.max_batch_tokens))
         self.metrics = ServiceMetrics(self._queue, self.scheduler, self.engine, self.store)
-        self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
-        self._worker.start()
+        # The scheduler's thread runs while there is work and ends when idle: an idle
+        # service keeps no CPU team that would slow another's products (cpu_threads).
+        self._worker: threading.Thread | None = None
 
     def _assemble(self, config: ServiceConfig, runtime, tokenizer) -> None:
         """The policy, the runtime (unless given), the store root claimed, the store and
@@ -181,16 +185,25 @@ class Service:
                 raise ServiceError(429, f"server busy: {self._queue.qsize()} requests "
                                         "queued; retry later", kind="rate_limit_error",
                                    code="rate_limit_exceeded") from None
+            self._start_worker()
         return ticket
+
+    def _start_worker(self) -> None:
+        """Start the scheduler's thread unless it runs (with self._lock held)."""
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="engine-worker",
+                                            daemon=True)
+            self._worker.start()
 
     def complete(self, job: Job) -> Completion:
         """Serve one job and wait for it (ServiceError if it could not be served)."""
         return self.submit(job).future.result()
 
     def _work(self) -> None:
-        """The scheduler loop: take queued tickets while the batch has room (blocking when
-        nothing runs, then taking those that arrive within batch_gather_s of each other),
-        then one scheduler step (admit, prefill, one decode step)."""
+        """The scheduler loop: take queued tickets while the batch has room (those that
+        arrive within batch_gather_s of each other once one came to an idle batch), then
+        one scheduler step (admit, prefill, one decode step). Ends when nothing runs and
+        nothing is queued; submit() starts it again."""
         sched = self.scheduler
         gather_s = self.config.batch_gather_s
         closing = False
@@ -198,8 +211,13 @@ class Service:
             gathering = False
             while not closing and sched.room():
                 try:
-                    if not sched.busy:          # idle: wait for a request, then its burst
-                        ticket = self._queue.get()
+                    if not sched.busy:          # idle: its burst, or end until submit()
+                        with self._lock:
+                            try:
+                                ticket = self._queue.get_nowait()
+                            except queue.Empty:
+                                self._worker = None
+                                return
                         gathering = gather_s > 0
                     elif gathering:
                         ticket = self._queue.get(timeout=gather_s)
@@ -336,8 +354,11 @@ class Service:
                 return
             self._closing = True
             self._closed = True
-        self._queue.put(None)     # after every queued request
-        self._worker.join()
+        self._queue.put(None)     # after every queued request (a full queue has a worker)
+        with self._lock:
+            self._start_worker()
+            worker = self._worker
+        worker.join()
         self._close_engine_store_and_runtime()
 
     def _close_engine_store_and_runtime(self) -> None:

@@ -82,3 +82,63 @@ def test_helper_threads_run_torch_alone(tmp_path):
             reader.close()
     finally:
         _restore(before)
+
+
+def test_on_passing_thread_returns_and_raises_on_the_caller():
+    main = threading.current_thread()
+    assert cpu_threads.on_passing_thread(lambda a: (a, threading.current_thread() is main),
+                                         7) == (7, False)
+
+    def fails():
+        raise ValueError("from the passing thread")
+    try:
+        cpu_threads.on_passing_thread(fails)
+    except ValueError as exc:
+        assert "passing thread" in str(exc)
+    else:
+        raise AssertionError("the exception was not raised on the caller")
+
+
+def test_service_starts_its_engine_off_the_callers_thread(tmp_path, monkeypatch):
+    """Calibrating at start-up computes; it runs on a thread that ends, so the caller's
+    thread keeps no CPU team beside the worker's."""
+    from impress_flexgen import serving
+    from impress_flexgen.service import Service, ServiceConfig
+
+    seen = []
+    start = serving.start_engine
+
+    def spy(engine):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return start(engine)
+
+    monkeypatch.setattr(serving, "start_engine", spy)
+    with Service(ServiceConfig(model="llama-tiny", store_root=tmp_path)):
+        pass
+    assert seen == [False]
+
+
+def test_an_idle_service_keeps_no_scheduler_thread(tmp_path):
+    """The scheduler's thread (and with it its CPU team) ends when nothing runs or waits,
+    and the next request starts it again; closing an idle service still works."""
+    import time
+
+    from impress_flexgen.service import Service, ServiceConfig
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name == "engine-worker"]
+
+    def idle_within(seconds: float = 30.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while workers():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    with Service(ServiceConfig(model="llama-tiny", store_root=tmp_path)) as service:
+        assert not workers()
+        for _ in range(2):
+            done = service.complete(service.frontend.build(prompt="a b c d e f", max_tokens=3))
+            assert done.completion_tokens == 3
+            assert idle_within()
