@@ -1,17 +1,17 @@
 """On a CPU, the thread that computes uses every core; the runtime's other threads use one.
 
 torch's CPU build runs a parallel operation on an OpenMP team that belongs to the calling
-thread and lives as long as that thread does. While a second long-lived thread owns such a
-team (the main thread that loaded the weights, say), the computing thread's small matrix
-products run at about half speed: on a 2-core machine one decode step's products took
-30.9 ms on the scheduler's thread after the main thread had loaded the weights with a team
-of its own, 15.4 ms when it had loaded them single-threaded (docs/design.md, "One thread
-computes"). So the weights load single-threaded, the helper threads (store writer, disk
-readers, tiers, page prefetch) run torch on themselves alone, and whoever holds an
-engine's ComputeLock computes with every core. torch keeps one process-wide count that a
-thread's first parallel operation starts from, which a helper's count of one would
-otherwise hand to the next thread: the lock sets its holder's count each time. A GPU's
-arithmetic is not affected.
+thread and lives as long as that thread does. While a second long-lived thread owns a team
+(the main thread that loaded the weights, another service's scheduler), the computing
+thread's small matrix products run at about half speed: `python -m
+experiments.bench_compute_thread` decoded 31.0 tokens/s on a worker thread with one team
+and 17.6 with a second one (docs/design.md, "One thread computes"). So the weights load
+single-threaded, start-up calibration runs on a thread that ends with it, a service's
+scheduler thread ends when idle, the helper threads (store writer, disk readers, tiers,
+page prefetch) run torch on themselves alone, and whoever holds an engine's ComputeLock
+computes with every core. torch starts each new thread from one process-wide count, which
+a helper's count of one would otherwise hand on: the lock sets its holder's count each
+time. A GPU's arithmetic is not affected.
 """
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def compute_thread() -> None:
     """The calling thread computes: with COMPUTE_THREADS threads."""
     if torch.get_num_threads() != COMPUTE_THREADS:
         torch.set_num_threads(COMPUTE_THREADS)
+
+
+def loading():
+    """Context for loading weights: single-threaded where the CPU computes (the loading
+    thread keeps no team); unchanged where a GPU computes, whose loads are host-side
+    copies that every core speeds up."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else single_threaded()
 
 
 @contextlib.contextmanager

@@ -105,7 +105,7 @@ def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
     `check_placement`, a placement this machine cannot hold is refused here (UserError)."""
     # A first start converts the weights (tens of seconds): said on stderr if it is slow.
     with progress.step(f"preparing the weights of {cfg.model_path or cfg.model} (converted "
-                       "once, then cached)", after_s=ANNOUNCE_AFTER_S):
+                       "once, then cached)", after_s=ANNOUNCE_AFTER_S), cpu_threads.loading():
         spec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
     if cfg.max_seq_len is not None and cfg.max_seq_len != spec.config.max_seq_len:
         if not spec.random_weights:
@@ -162,7 +162,7 @@ class Runtime:
         try:
             t0 = time.perf_counter()
             # The thread that computes should be the only one owning a CPU team (cpu_threads).
-            with cpu_threads.single_threaded():
+            with cpu_threads.loading():
                 self.model = self._build()
             self.load_s = time.perf_counter() - t0
         except BaseException:

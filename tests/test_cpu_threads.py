@@ -62,7 +62,8 @@ def test_runtime_loads_the_weights_single_threaded(monkeypatch):
     n = torch.get_num_threads()
     with Runtime(RuntimeConfig(model="llama-tiny")):
         pass
-    assert seen == [1] and torch.get_num_threads() == n
+    # Where a GPU computes, the host-side copies of a load keep every core.
+    assert seen == [n if torch.cuda.is_available() else 1] and torch.get_num_threads() == n
 
 
 def test_helper_threads_run_torch_alone(tmp_path):
