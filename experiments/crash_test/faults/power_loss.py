@@ -95,7 +95,9 @@ def power_loss(base: Path, iterations: int, seed: int, max_delay: float, report:
         shutil.rmtree(snaps, ignore_errors=True)
         snaps.mkdir(parents=True)
         delay = float(rng.uniform(0.0, max_delay))
-        lines, err, rc = run_child(writer_argv(st.dir, st.fmt, pseed, st.next_id, 40, "power",
+        # More inserts than the writer makes before the latest kill (max_delay): a writer
+        # that finished first leaves nothing unsynced to tear.
+        lines, err, rc = run_child(writer_argv(st.dir, st.fmt, pseed, st.next_id, 400, "power",
                                                snaps), log_dir, "READY", delay)
         if rc is not None:
             if rc == 0 and lines and lines[-1] == "DONE":
