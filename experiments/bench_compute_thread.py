@@ -8,7 +8,8 @@ that runs a parallel CPU operation a team of its own (impress_flexgen.cpu_thread
 round runs two fresh processes in turn, identical but for one thing: in `second_team` the
 main thread first serves one short request itself, so it owns a team, as it did when it
 loaded the weights with every core; in `one_team` it does nothing of the kind. Both then
-decode on a worker thread: one request alone and `--batch` requests stepped together.
+decode on a worker thread, as `experiments.bench_decode --batch` does: `--batch` requests
+stepped together (their contexts side by side), then one alone.
 Reported: the medians of decode tokens/s per setting and their ratio.
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 
@@ -28,35 +28,23 @@ MODES = ("one_team", "second_team")
 
 
 def child(model: str, mode: str, tokens: int, prompt_len: int, batch: int) -> dict:
-    from impress_flexgen.engine import Engine, Request
+    from experiments.bench_decode import batched, ours
     from impress_flexgen.runtime import Runtime, RuntimeConfig
-    from impress_flexgen.serving import RunConfig
-    from policies import make_policy
 
     with Runtime(RuntimeConfig(model=model)) as rt:
-        engine = Engine(rt, None, make_policy("full", RunConfig("full", "full").serving()))
         vocab = rt.spec.config.vocab_size
         prompt = np.random.default_rng(0).integers(10, vocab, prompt_len).tolist()
         if mode == "second_team":
-            engine.serve(Request(prompt[:8], prompt[8:9], max_new_tokens=4))
+            ours(rt, prompt[:9], 2)          # the main thread computes: it keeps a team
         out = {}
 
         def decode() -> None:
-            engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=4))   # warm up
-            alone = engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=tokens))
-            out["alone_tokens_per_s"] = 1.0 / alone.stats.decode_s_per_token
-            seqs = [engine.start(Request(prompt[:-1 - i], prompt[-1 - i:],
-                                         max_new_tokens=tokens)) for i in range(batch)]
-            t0 = time.perf_counter()
-            while not all(s.done for s in seqs):
-                engine.step([s for s in seqs if not s.done])
-            out["batch_tokens_per_s"] = sum(s.steps for s in seqs) / (time.perf_counter() - t0)
-            for s in seqs:
-                engine.finish(s)
+            together, _, alone = batched(rt, prompt, tokens, batch)
+            out.update(alone_tokens_per_s=alone,
+                       batch_tokens_per_s=together["side_by_side"])
         worker = threading.Thread(target=decode, name="serving-thread")
         worker.start()
         worker.join()
-        engine.close()
     return out
 
 

@@ -4,8 +4,8 @@ torch's CPU build runs a parallel operation on an OpenMP team that belongs to th
 thread and lives as long as that thread does. While a second long-lived thread owns a team
 (the main thread that loaded the weights, another service's scheduler), the computing
 thread's small matrix products run at about half speed: `python -m
-experiments.bench_compute_thread` decoded 31.0 tokens/s on a worker thread with one team
-and 17.6 with a second one (docs/design.md, "One thread computes"). So the weights load
+experiments.bench_compute_thread` decoded 29.4 tokens/s on a worker thread with one team
+and 17.0 with a second one (docs/design.md, "One thread computes"). So the weights load
 single-threaded, start-up calibration runs on a thread that ends with it, a service's
 scheduler thread ends when idle, the helper threads (store writer, disk readers, tiers,
 page prefetch) run torch on themselves alone, and whoever holds an engine's ComputeLock
