@@ -179,7 +179,8 @@ class ServiceConfig:
             probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
-        tiers = TierConfig(gpu, cpu, verify_hits=args.verify_tier_hits,
+        tiers = TierConfig(gpu, cpu, exclusive=args.exclusive_tiers,
+                           verify_hits=args.verify_tier_hits,
                            remote_url=args.remote_tier, remote_secret=args.remote_secret,
                            remote_ttl=args.remote_ttl)
         store = StoreOptions(root=args.store_dir, reorder_interval=args.reorder_interval,
