@@ -13,8 +13,15 @@ from impress_flexgen.engine import Engine, Request, TierSizes, model_shape, open
 from impress_flexgen.engine.batch_prefill import start_together
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
+from disk_layout.format import kv_format_of
+from impress_flexgen.models import default_dtype
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
+
+# The default store format (the compute dtype: fp32 on a CPU, fp16 with CUDA) and one that
+# loses bits under it.
+COMPUTE = kv_format_of(default_dtype("llama"))
+LOSSY = "fp16" if COMPUTE == "fp32" else "bf16"
 
 
 def _same(a, b) -> bool:
@@ -45,7 +52,7 @@ def test_stored_and_recomputed_answers_have_identical_logprobs(tiny_runtimes, tm
         warm = engine.serve(_request(prefix), query_logits=True)
         assert cold.stats.matched_tokens == 0 and warm.stats.matched_tokens == 192
         assert warm.stats.exact and _same(cold, warm)
-        assert store.shape.kv_exact and store.shape.kv_format == "fp32"
+        assert store.shape.kv_exact and store.shape.kv_format == COMPUTE
         # Another query over the stored prefix: the answer it gets from a fresh store.
         other = engine.serve(_request(prefix, _ids(4, 7)), query_logits=True)
         assert other.stats.matched_tokens == 192
@@ -110,21 +117,21 @@ def test_a_smaller_kv_format_is_inexact_and_never_served_to_an_exact_reader(tiny
                                                                           tmp_path):
     rt = tiny_runtimes["llama-tiny"]
     prefix = _ids(8, 128)
-    full, store = _engine(rt, tmp_path / "full16", kv_format="fp16")
+    full, store = _engine(rt, tmp_path / "full16", kv_format=LOSSY)
     try:
-        assert store.shape.kv_format == "fp16" and not store.shape.kv_exact
+        assert store.shape.kv_format == LOSSY and not store.shape.kv_exact
         first = full.serve(_request(prefix), query_logits=True)
         again = full.serve(_request(prefix), query_logits=True)
         assert again.stats.matched_tokens == 0 and _same(first, again)   # recomputed
         assert not any(n.exact for n in store.tree.nodes.values())
     finally:
         store.close()
-    impress, store = _engine(rt, tmp_path / "impress16", policy="impress", kv_format="fp16")
+    impress, store = _engine(rt, tmp_path / "impress16", policy="impress", kv_format=LOSSY)
     try:
         impress.serve(_request(prefix))
         read = impress.serve(_request(prefix))
         assert read.stats.matched_tokens == 128 and not read.stats.exact
-        # Stored and read as fp16: half the bytes of the compute dtype's.
+        # Stored and read in 2-byte values.
         assert read.stats.prefix_bytes == 128 * 2 * 2 * 16 * 2 * 2
     finally:
         store.close()
@@ -249,13 +256,36 @@ def test_the_kv_format_flag_reaches_the_store_and_warns_an_exact_server(tiny_run
                                  str(tmp_path / "stores"), *flags])
         return Service(ServiceConfig.from_args(args), runtime=tiny_runtimes["llama-tiny"])
 
+    named = {"fp16": "full-c16-int4-v2",                 # the name fp16 stores had
+             "fp32": "full-c16-int4-kvfp32-v2", "bf16": "full-c16-int4-kvbf16-v2"}
     with service() as exact:                          # the default: the compute dtype
-        assert exact.store.shape.kv_format == "fp32" and exact.warnings == []
-        assert exact.store_dir.name == "full-c16-int4-kvfp32-v2"
-    with service("--kv-format", "fp16") as lossy:
-        assert lossy.store.shape.kv_format == "fp16" and not lossy.store.shape.kv_exact
-        assert lossy.store_dir.name == "full-c16-int4-v2"   # the name fp16 stores had
+        assert exact.store.shape.kv_format == COMPUTE and exact.warnings == []
+        assert exact.store_dir.name == named[COMPUTE]
+    with service("--kv-format", LOSSY) as lossy:
+        assert lossy.store.shape.kv_format == LOSSY and not lossy.store.shape.kv_exact
+        assert lossy.store_dir.name == named[LOSSY]
         assert any("recomputed" in w and "--kv-format" in w for w in lossy.warnings)
     with pytest.raises(SystemExit) as refused:
         serve.parse_args(["--kv-format", "int3"])
     assert refused.value.code == 2
+
+
+def test_the_stored_vs_computed_harness_passes_quick():
+    from experiments.abuse_exact import stored_vs_computed_logprobs
+
+    result = stored_vs_computed_logprobs(quick=True)
+    assert result["passed"] and result["max_abs_diff"] == 0.0, result
+    assert set(result["cases"]) == {"same_prompt", "other_query", "grown_prefix", "batch",
+                                    "lossy_format"}
+    assert result["cases"]["lossy_format"]["matched_tokens"] == 0
+
+
+def test_bench_exact_quick_times_both_ways_and_sizes_every_format(tmp_path):
+    from experiments.bench_exact import main
+
+    assert main(["--quick", "--json", str(tmp_path / "r.json")]) == 0
+    r = __import__("json").loads((tmp_path / "r.json").read_text())
+    assert r["one_call_s"] > 0 and r["tiles_s"] > 0 and r["logits_max_abs_diff"] < 1e-4
+    assert r["kv_bytes_per_token"]["fp32"] == 2 * r["kv_bytes_per_token"]["fp16"]
+    assert r["kv_exact"]["fp32"] and r["kv_exact"][r["compute_kv_format"]]
+    assert not r["kv_exact"]["bf16"]
