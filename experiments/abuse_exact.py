@@ -51,7 +51,7 @@ def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int]]:
         return ids[:300], ids[300:315], ids[315:]
     from impress_flexgen.corpus import passages
 
-    text = passages("austen_pride_and_prejudice.txt", 1400, 1, seed=3)[0]
+    text = passages("austen_pride_and_prejudice", 1400, 1, seed=3)[0]
     ids = rt.tokenizer.encode(text)[:300]
     return ids, rt.tokenizer.encode(" The letter said that"), \
         rt.tokenizer.encode(" In the morning she")
