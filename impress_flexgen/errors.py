@@ -9,8 +9,10 @@ class ServiceError(Exception):
     """A request that cannot be served as asked: an HTTP status and one line for the user."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str | None = None):
+                 code: str | None = None, kind: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
+        self.retry_after_s = retry_after_s    # a 429's Retry-After, in whole seconds
         self.status = status
         self.message = message
         self.param = param

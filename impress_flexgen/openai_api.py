@@ -126,13 +126,16 @@ def chat_logprobs(piece, done, top: int) -> dict:
                         for t, lp, best in done.logprobs or []]}
 
 
-def usage(dones) -> dict:
-    """Usage of a request's choices: the prompt counted once, every choice's tokens."""
+def usage(dones, details: bool = False) -> dict:
+    """Usage of a request's choices: the prompt counted once, every choice's tokens; with
+    `details`, how many prompt tokens were read from the store (prompt_tokens_details, null
+    otherwise, as vLLM without --enable-prompt-tokens-details)."""
     prompt = dones[0].prompt_tokens
     completion = sum(d.completion_tokens for d in dones)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": dones[0].stats["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": dones[0].stats["cached_tokens"]}
+            if details else None}
 
 
 def validation_message(exc) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ from typing import Callable
 from .config import ServiceConfig
 from .errors import ServiceError, UserError
 from .frontend import Completion, Frontend, Job, TextStream, token_logprobs
-from .metrics import ServiceMetrics
+from .metrics import Drain, ServiceMetrics
 
 log = logging.getLogger("impress_flexgen.service")
 
@@ -89,6 +89,7 @@ class Service:
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             config.max_batch_size, config.max_batch_tokens))
         self.metrics = ServiceMetrics(self._queue, self.scheduler, self.engine, self.store)
+        self.drain = Drain()       # how fast requests leave: a 429's Retry-After
         # The scheduler's thread runs while there is work and ends when idle: an idle
         # service keeps no CPU team that would slow another's products (cpu_threads).
         self._worker: threading.Thread | None = None
@@ -182,15 +183,19 @@ class Service:
                 self._queue.put_nowait(ticket)
             except queue.Full:
                 self.count("rejected")
-                raise ServiceError(429, f"server busy: {self._queue.qsize()} requests "
-                                        "queued; retry later", kind="rate_limit_error",
-                                   code="rate_limit_exceeded") from None
+                queued = self._queue.qsize()
+                wait_s = self.drain.retry_after_s(queued)
+                raise ServiceError(429, f"server busy: {queued} requests queued; retry in "
+                                        f"{wait_s} s", kind="rate_limit_error",
+                                   code="rate_limit_exceeded", retry_after_s=wait_s) from None
+            ticket.future.add_done_callback(lambda _: self.drain.left())
             self._start_worker()
         return ticket
 
     def _start_worker(self) -> None:
         """Start the scheduler's thread unless it runs (with self._lock held)."""
         if self._worker is None or not self._worker.is_alive():
+            self.drain.busy()
             self._worker = threading.Thread(target=self._work, name="engine-worker",
                                             daemon=True)
             self._worker.start()

@@ -183,6 +183,25 @@ def test_a_password_in_the_pool_url_is_never_printed():
     assert redact_url("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     assert redact_url("redis://me:s3cret@host/1") == "redis://me:***@host/1"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    # TLS and other secrets in the query, also under an encoded name redis-py decodes.
+    assert redact_url("rediss://h:6380/0?ssl_password=s3cret&ssl_cert_reqs=none") == \
+        "rediss://h:6380/0?ssl_password=***&ssl_cert_reqs=none"
+    assert redact_url("rediss://h:6380?ssl%5Fpassword=s3cret") == \
+        "rediss://h:6380?ssl%5Fpassword=***"
+    assert "s3cret" not in redact_url("redis://h/0?db=1&auth_token=s3cret")
+    config = ServiceConfig(model=MODEL, tiers=TierConfig(
+        remote_url="rediss://u:s3cret@h:6380/0?ssl_password=s3cret"))
+    assert "s3cret" not in config.plan_line() and "rediss://u:***@h:6380/0" in \
+        config.plan_line()
+
+
+def test_a_url_that_cannot_be_read_is_refused_without_its_password(capsys):
+    from impress_flexgen import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.parse_args(["--remote-tier", "redis://:s3cret@[::1/0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "s3cret" not in err and "cannot be read" in err
 
 
 # -- reaching the engine ----------------------------------------------------------------------

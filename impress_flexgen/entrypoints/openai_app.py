@@ -48,14 +48,15 @@ def create_app(service, options: ServerOptions | None = None):
     options = options or ServerOptions()
     app = FastAPI(title="impress_flexgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, limit=options.max_body_bytes, api_keys=options.api_keys,
-                       on_refused=lambda: service.count("invalid"))
+                       on_refused=lambda: service.count("invalid"),
+                       metrics_key=options.metrics_key)
     name = service.model_name
     frontend = service.frontend
 
     @app.exception_handler(ServiceError)
     async def service_error(request, exc: ServiceError):
-        # A full queue: come back in a second (the engine serves a request in about that).
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        # A full queue: come back when it has drained, by the rate it drains at (service).
+        headers = {"Retry-After": str(exc.retry_after_s or 1)} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -146,6 +147,12 @@ def create_app(service, options: ServerOptions | None = None):
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return None
 
+    def counted(dones, body: Common) -> dict:
+        """The usage; cached_tokens only where the operator asked for it or the request's
+        namespace is its own salt's: elsewhere it would tell one client whether another's
+        prompt was stored (a right guess of a stored secret reads more cached tokens)."""
+        return usage(dones, options.prompt_tokens_details or body.cache_salt is not None)
+
     def extra(dones) -> dict:
         """The non-standard stats block, only where the operator asked for it: it tells
         what the store held, which is not every client's business."""
@@ -205,7 +212,7 @@ def create_app(service, options: ServerOptions | None = None):
                 if include_usage and all(dones):
                     yield sse({"id": rid, "object": chunk(0, "", None)["object"],
                                "created": created, "model": name, "choices": [],
-                               "usage": usage(dones), **extra(dones)})
+                               "usage": counted(dones, body), **extra(dones)})
                 yield "data: [DONE]\n\n"
             finally:
                 for t in tickets:
@@ -252,7 +259,7 @@ def create_app(service, options: ServerOptions | None = None):
                         piece, jobs[0].ids, d, body.logprobs),
                     "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(dones), **extra(dones)}
+                "choices": choices, "usage": counted(dones, body), **extra(dones)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -279,7 +286,7 @@ def create_app(service, options: ServerOptions | None = None):
                     "logprobs": chat_logprobs(piece, d, top) if body.logprobs else None,
                     "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(dones), **extra(dones)}
+                "choices": choices, "usage": counted(dones, body), **extra(dones)}
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": service.created,

@@ -13,30 +13,43 @@ import urllib.parse
 from ..errors import UserError
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|pass|pwd|secret|auth)=)[^&#]*")
+# A query parameter whose (decoded) name says it holds a secret: password, ssl_password,
+# pwd, secret, token, auth, credential_..., a key. Its value is printed as ***.
+_SECRET_NAME = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORECASE)
+_PARAM = re.compile(r"([?&;])([^=&#;?]*)=([^&#;]*)")
 
 
 def is_cluster(url: str) -> bool:
     return urllib.parse.urlsplit(url).scheme.endswith("+cluster")
 
 
+def _redact_query(text: str) -> str:
+    def hide(m: re.Match) -> str:
+        # Named as the client will read it: ssl%5Fpassword is ssl_password to redis-py.
+        name = urllib.parse.unquote_plus(m.group(2))
+        return f"{m.group(1)}{m.group(2)}=***" if _SECRET_NAME.search(name) else m.group(0)
+
+    return _PARAM.sub(hide, text)
+
+
 def redact_url(url: str) -> str:
     """The url fit to print: the password in its userinfo (a bare userinfo may be a token:
-    all of it) and any password in its query string become ***."""
+    all of it) and the value of any query parameter named for a secret (password,
+    ssl_password, token, ...) become ***."""
     if not isinstance(url, str):
         return repr(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return _SECRET_QUERY.sub(r"\1***", url)
+        return _redact_query(url)
     netloc, slash, tail = rest.partition("/")
     if "?" in netloc:  # redis://host:port?password=x (no path)
         netloc, q, query = netloc.partition("?")
-        tail, slash = "?" + query, ""
+        tail, slash = "?" + query + slash + tail, ""
     if "@" in netloc:
         info, _, host = netloc.rpartition("@")
         user, colon, _ = info.partition(":")
         netloc = (f"{user}:***@" if colon else "***@") + host
-    return _SECRET_QUERY.sub(r"\1***", f"{scheme}://{netloc}{slash}{tail}")
+    return _redact_query(f"{scheme}://{netloc}{slash}{tail}")
 
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None, bool]:
@@ -63,7 +76,11 @@ def validate_url(url: str) -> None:
     if not isinstance(url, str) or not url:
         raise UserError("remote tier: url must be like redis://HOST:PORT/DB")
     shown = redact_url(url)
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:     # e.g. an unclosed [IPv6 address: its text holds the url
+        raise UserError(f"remote tier: url {shown!r} cannot be read ({type(exc).__name__})"
+                        ) from None
     if parts.scheme not in SCHEMES:
         raise UserError(f"remote tier: url {shown!r} must start with one of "
                         f"{', '.join(s + '://' for s in SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
