@@ -56,7 +56,7 @@ SLOW_TESTS = {
     "tests/test_results_file.py::test_resume_serves_only_the_requests_not_in_the_output",
     "tests/test_results_file.py::test_resume_drops_damaged_output_lines_and_serves_them_again",
     "tests/test_results_file.py::test_resume_refuses_a_request_file_with_a_repeated_id",
-    "tests/test_results_file.py::test_resume_rewrites_an_output_with_a_stray_line_even_with_nothing_to_serve",
+    "tests/test_results_file.py::test_resume_drops_a_stray_line_with_nothing_to_serve",
     "tests/test_request_files.py::test_a_request_file_is_read_as_a_stream",
     "tests/test_request_files.py::test_a_request_file_is_served_in_order_through_the_store",
     "tests/test_request_files.py::test_openai_batch_lines_are_served_as_vllm_run_batch_does",

@@ -237,8 +237,7 @@ def test_resume_drops_damaged_output_lines_and_serves_them_again(tmp_path, capsy
     assert all(good[r] == x for r, x in zip(kept, _lines(out)))   # copied as they were
 
 
-def test_resume_rewrites_an_output_with_a_stray_line_even_with_nothing_to_serve(tmp_path,
-                                                                                capsys):
+def test_resume_drops_a_stray_line_with_nothing_to_serve(tmp_path, capsys):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 2)
     assert _run(tmp_path, capsys, requests, out)[0] == 0
