@@ -130,10 +130,10 @@ class ResultsFile:
             raise
 
     def _scan(self) -> None:
-        """Note the ids of the output's complete result lines. A last line without its newline (a run cut short by an older version), a line
-        that is not a complete result and every line of an id found twice are not kept: their
-        requests are served again. An output with no result line at all is refused (it is
-        not an output of a request file)."""
+        """Note the ids of the output's complete result lines. A last line without its
+        newline (a run cut short by an older version), a line that is not a complete result
+        and every line of an id found twice are not kept: their requests are served again.
+        An output with no result line at all is refused (not an output of a request file)."""
         lines: dict[str, int] = {}
         twice: set[str] = set()
         self.damaged, self.dropped, first_bad = [], 0, None
