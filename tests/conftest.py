@@ -69,6 +69,7 @@ SLOW_TESTS = {
     "tests/test_shared_pool.py::test_second_process_serves_the_prefix_from_the_pool_bit_exact",
     "tests/test_shared_pool.py::test_slow_pool_is_skipped_by_the_budget",
     "tests/test_prefix_store.py::test_store_survives_restart_in_a_new_process",
+    "tests/test_store_tenancy.py::test_a_small_disk_keeps_metadata_room_and_stores_every_prefix",
     "tests/test_service_config.py::test_a_bad_url_from_the_command_line_is_refused_before_anything_loads",
     "tests/test_service_config.py::test_a_plan_that_needs_the_cost_model_is_calibrated_at_start",
     "tests/test_service_config.py::test_run_plan_recompute_reaches_the_engine",
