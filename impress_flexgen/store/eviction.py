@@ -22,6 +22,7 @@ class Removal:
         self.state = state
         self.files = files
         self.tiers = tiers
+        self.said_full = False      # the full file system was reported (once an open)
 
     def retire_node(self, node: RadixNode) -> None:
         node.retired_files.extend(e.path for e in node.layers)
@@ -94,8 +95,6 @@ class Removal:
             log.warning("store %s: its file system is full; evicting prefixes to store new "
                         "ones (set a disk capacity to keep the store smaller)", self.state.dir)
         return freed
-
-    said_full = False
 
     def make_room(self, new_bytes: int) -> None:
         """Evict until `new_bytes` more fit under the capacity, or without one, on the file
