@@ -26,6 +26,7 @@ from .errors import UserError
 from .runtime import AUTO, RuntimeConfig
 from .store.config import CHUNK_SIZE
 from .tiers import TierConfig
+from .tiers.remote_url import SECRET_ENV, check_pool_trust
 
 GB = 1 << 30
 DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
@@ -180,8 +181,6 @@ class ServiceConfig:
             probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
-        from .tiers.remote_url import SECRET_ENV, check_pool_trust
-
         check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),
                          getattr(args, "remote_insecure", False))
         tiers = TierConfig(gpu, cpu, verify_hits=args.verify_tier_hits,

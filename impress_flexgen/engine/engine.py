@@ -324,10 +324,10 @@ class Engine:
                 log.warning("shared pool without a secret: prefixes read from it are used "
                             "but not stored locally")
         else:
+            prefix_kv = [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv]
             try:
-                self.store.insert(req.prefix, matched, [(k[:, :n_prefix_new], v[:, :n_prefix_new])
-                                                        for k, v in new_kv],
-                                  namespace=req.namespace, exact=stats.exact)
+                self.store.insert(req.prefix, matched, prefix_kv, namespace=req.namespace,
+                                  exact=stats.exact)
             except StoreWriteFailed as exc:
                 log.warning("prefix not stored: %s", exc)
                 return
