@@ -16,6 +16,7 @@ the store's own format record is store.StoreConfig.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .errors import UserError
 from .runtime import AUTO, RuntimeConfig
 from .store.config import CHUNK_SIZE
 from .tiers import TierConfig
+from .tiers.remote_url import SECRET_ENV, check_pool_trust
 
 GB = 1 << 30
 DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
@@ -179,6 +181,8 @@ class ServiceConfig:
             probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
+        check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),
+                         getattr(args, "remote_insecure", False))
         tiers = TierConfig(gpu, cpu, verify_hits=args.verify_tier_hits,
                            remote_url=args.remote_tier, remote_secret=args.remote_secret,
                            remote_ttl=args.remote_ttl)

@@ -20,6 +20,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from impress_flexgen import run, serve
+from impress_flexgen.cli import run_main
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server
 from impress_flexgen.config import RunConfig, ServiceConfig, StoreOptions
@@ -243,6 +244,34 @@ def test_the_workload_summary_counts_plans(tmp_path, capsys):
     assert json.loads(out.read_text())["workload"]["disk_read_limit_mb_s"] == 500
 
 
+@pytest.mark.parametrize("url", ["redis://10.0.0.7:6379/0", "rediss://pool.example:6380/0",
+                                 "redis+cluster://127.0.0.1:7000,10.0.0.8:7001"])
+def test_a_pool_on_another_machine_without_a_secret_is_refused_in_one_line(url, tmp_path,
+                                                                           capsys, monkeypatch):
+    """Anyone able to write to such a pool could change answers: a secret, or an explicit
+    --remote-insecure. Refused before anything is built."""
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    argv = ["--model", MODEL, "--remote-tier", url, "--store-dir", str(tmp_path / "s"),
+            "--prompt", "hello"]
+    rc = run_main("python -m impress_flexgen.run", run.main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--remote-insecure" in err[0], err
+    assert "--remote-secret" in err[0] and not (tmp_path / "s").exists()
+    for extra in (["--remote-secret", "shared"], ["--remote-insecure"]):
+        assert ServiceConfig.from_args(run.parse_args(argv + extra)).tiers.remote_url == url
+    monkeypatch.setenv("IMPRESS_REMOTE_SECRET", "from-the-environment")
+    assert ServiceConfig.from_args(run.parse_args(argv)).tiers.remote_url == url
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "redis://localhost:6379/1",
+                                 "redis://[::1]:6379/0", "unix:///run/redis.sock",
+                                 "redis+cluster://127.0.0.1:7000,127.0.0.2:7001"])
+def test_a_pool_on_this_machine_needs_no_secret(url, monkeypatch):
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    args = run.parse_args(["--model", MODEL, "--remote-tier", url])
+    assert ServiceConfig.from_args(args).tiers.remote_url == url
+
+
 def test_a_plan_that_needs_the_cost_model_is_calibrated_at_start(runtime, tmp_path):
     args = serve.parse_args(["--model", MODEL, "--plan", "both", "--disk-read-limit", "40",
                              "--store-dir", str(tmp_path / "stores")])
@@ -262,10 +291,19 @@ def pool():
         yield srv
 
 
-def _service(runtime, root, url, plan="load"):
+def _service(runtime, root, url, plan="load", secret="pool-secret"):
     args = serve.parse_args(["--model", MODEL, "--plan", plan, "--remote-tier", url,
-                             "--store-dir", str(root)])
+                             "--store-dir", str(root)]
+                            + (["--remote-secret", secret] if secret else []))
     return Service(ServiceConfig.from_args(args), runtime=runtime)
+
+
+def test_a_pool_without_a_secret_is_a_warning_at_start(runtime, tmp_path, pool, monkeypatch):
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    with _service(runtime, tmp_path / "s", pool.url, secret=None) as service:
+        assert len(service.warnings) == 1, service.warnings
+        assert "has no secret" in service.warnings[0]
+        assert "never stored locally" in service.warnings[0]
 
 
 def test_metrics_show_every_tier_plans_and_the_pool(runtime, tmp_path, pool):

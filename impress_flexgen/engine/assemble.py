@@ -111,6 +111,10 @@ def start_engine(engine: Engine) -> list[str]:
         if pool.metrics()["down"]:
             warnings.append(f"the shared pool at {redact_url(pool.url)} does not answer; "
                             "requests are served from the local tiers and store until it does")
+        if not engine.shared.keyed:
+            warnings.append(f"the shared pool at {redact_url(pool.url)} has no secret "
+                            "(--remote-secret): anyone able to write to it can change answers; "
+                            "what it gives is used but never stored locally")
     return warnings
 
 

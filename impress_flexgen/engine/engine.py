@@ -104,6 +104,7 @@ class Engine:
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
         self.shared_fallbacks = 0
+        self.shared_unstored = 0    # prefixes not stored: part of them came unauthenticated
         if tiers.remote_url and store is not None and policy.reuse:
             self.shared = shared_pool(
                 tiers.remote_url, store, self.dtype, secret=tiers.remote_secret,
@@ -313,13 +314,23 @@ class Engine:
         n_prefix_new = len(req.prefix) - matched
         if n_prefix_new < self.store.config.chunk_size:
             return
-        try:
-            self.store.insert(req.prefix, matched,
-                              [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv],
-                              namespace=req.namespace, exact=stats.exact)
-        except StoreWriteFailed as exc:
-            log.warning("prefix not stored: %s", exc)
-            return
+        if n_given and not self.shared.keyed:
+            # KV from a pool without a secret is unauthenticated (whoever can write to the
+            # pool can forge it with a valid CRC): it served this request, but neither it
+            # nor what was computed over it becomes local state. The chunks computed here
+            # still go to the pool, which gave the rest.
+            self.shared_unstored += 1
+            if self.shared_unstored == 1:
+                log.warning("shared pool without a secret: prefixes read from it are used "
+                            "but not stored locally")
+        else:
+            prefix_kv = [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv]
+            try:
+                self.store.insert(req.prefix, matched, prefix_kv, namespace=req.namespace,
+                                  exact=stats.exact)
+            except StoreWriteFailed as exc:
+                log.warning("prefix not stored: %s", exc)
+                return
         if use_shared and stats.exact:
             # Durable here first; then shared (write-through, in the background): the
             # chunks the pool did not give us. Only exact KV is shared: the pool keeps no

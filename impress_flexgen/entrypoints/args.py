@@ -219,7 +219,11 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     t.add_argument("--remote-secret", default=None, metavar="SECRET",
                    help="a secret shared by every server of the pool: values then carry an "
                         "HMAC-SHA256 and a value written without it is refused (default: the "
-                        "IMPRESS_REMOTE_SECRET environment variable; none: a CRC-32)")
+                        "IMPRESS_REMOTE_SECRET environment variable; none: a CRC-32, and "
+                        "what the pool gives is used but never stored locally)")
+    t.add_argument("--remote-insecure", action="store_true",
+                   help="use a --remote-tier on another machine without a --remote-secret "
+                        "(refused otherwise: anyone able to write to it could change answers)")
     t.add_argument("--remote-ttl", type=int_range(1), default=None, metavar="SECONDS",
                    help="the pool forgets a chunk this long after writing it (default: kept "
                         "until Redis evicts it)")

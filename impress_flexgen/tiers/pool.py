@@ -34,8 +34,7 @@ import torch
 from .base import nbytes
 from .pool_offer import StoredOffers
 from .remote import RedisTier, RemoteNamespace, chunk_hashes
-
-SECRET_ENV = "IMPRESS_REMOTE_SECRET"
+from .remote_url import SECRET_ENV
 # Recompute speed assumed when the engine has no cost model (tokens per second): low, so
 # that only a pool clearly slower than computing is skipped.
 FALLBACK_TOKENS_PER_S = 1000.0
@@ -64,6 +63,13 @@ class SharedPrefix:
         self.offers = StoredOffers(self, store) if store is not None else None
         if self.offers is not None:
             tier.before_close.append(self.offers.close)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether values carry an HMAC under a shared secret. Without one, anyone able to
+        write to the pool can hand out KV with a valid CRC: it is then used for the request
+        that reads it, never made local state (engine._store_new)."""
+        return self.tier.secret is not None
 
     def namespace_for(self, tenant: str = "") -> RemoteNamespace:
         """The namespace of one tenant's entries (exact KV only)."""

@@ -105,3 +105,42 @@ def validate_url(url: str) -> None:
     db = parts.path.strip("/")
     if db and not db.isdigit():
         raise UserError(f"remote tier: url {shown!r} has a bad database {db!r}; expected a number")
+
+
+# -- trust ---------------------------------------------------------------------------------
+SECRET_ENV = "IMPRESS_REMOTE_SECRET"     # the pool's shared secret, where no flag gives one
+_LOOPBACK_NAMES = ("localhost", "localhost.", "ip6-localhost")
+
+
+def _loopback_host(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]").lower()
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False      # a name is not looked up: it may point anywhere
+
+
+def is_loopback(url: str) -> bool:
+    """Whether the pool at `url` is on this machine (a unix socket, or every host a
+    loopback address or localhost): only this machine's users can write to it then."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "unix":
+        return True
+    if is_cluster(url):
+        return all(_loopback_host(host) for host, _ in cluster_nodes(url)[0])
+    return bool(parts.hostname) and _loopback_host(parts.hostname)
+
+
+def check_pool_trust(url: str | None, secret: str | None, insecure: bool) -> None:
+    """Refuse a pool another machine can write to when its values carry no HMAC (no shared
+    secret), unless the operator said so: whoever can write to it could change answers."""
+    if url is None or secret or insecure or is_loopback(url):
+        return
+    raise UserError(f"--remote-tier {redact_url(url)} is not on this machine and has no "
+                    f"--remote-secret (or {SECRET_ENV}): anyone able to write to it could "
+                    "change answers; give a secret shared by the pool's servers, or "
+                    "--remote-insecure to use it unauthenticated")
