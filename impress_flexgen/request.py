@@ -35,6 +35,15 @@ class Request:
     # share stored prefix KV (the server derives it from the API key and cache_salt; ""
     # is the default, shared namespace).
     namespace: str = ""
+    # What the response keeps of each step's logits, nothing unless asked: `logprobs` k,
+    # the picked token's log-probability and the k likeliest (a few numbers a step);
+    # `keep_logits`, a copy of every step's whole (vocab,) row (checks and experiments).
+    logprobs: int | None = None
+    keep_logits: bool = False
+    # Score the query (the whole prompt, no prefix): each of its tokens after the first
+    # under the row before it, with the k likeliest. Prefilled in pieces, whose logits
+    # are the only ones held at a time (engine.scoring).
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -127,5 +136,7 @@ class _Timer:
 class Response:
     tokens: list[int]
     query_logits: torch.Tensor | None   # (len(query), vocab) float32: teacher-forced query
-    step_logits: list[torch.Tensor]     # per generated token, (vocab,) float32
+    step_logits: list[torch.Tensor]     # per generated token, (vocab,): with keep_logits
     stats: RequestStats
+    logprobs: list | None = None        # per generated token (token, lp, top k): logprobs
+    prompt_scores: object = None        # scores.TokenScores of the query: prompt_logprobs

@@ -61,6 +61,7 @@ SLOW_TESTS = {
     "tests/test_request_files.py::test_a_request_file_is_served_in_order_through_the_store",
     "tests/test_request_files.py::test_openai_batch_lines_are_served_as_vllm_run_batch_does",
     "tests/test_scratch.py::test_a_sigkilled_run_leaves_nothing_after_the_next_start",
+    "tests/test_scoring.py::test_a_long_scored_prompt_with_n_4_stalls_no_one",
     "tests/test_openai_server.py::test_bench_serve_quick_compares_three_policies",
     "tests/test_openai_server.py::test_load_every_request_answered_or_rejected_and_the_store_reopens",
     "tests/test_openai_server.py::test_sigterm_drains_in_flight_requests_and_the_next_server_reuses_the_store",

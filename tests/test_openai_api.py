@@ -169,16 +169,16 @@ def test_routes_models_tokenize_detokenize_version_retry_after(server):
     assert httpx2.post(url + "/tokenize", json={"prompt": 3}).status_code == 400
     from impress_flexgen.errors import ServiceError
 
-    submit = service.submit
+    submit = service.submit_choices
 
     def full(*a, **kw):
         raise ServiceError(429, "server busy", kind="rate_limit_error")
 
-    service.submit = full
+    service.submit_choices = full
     try:
         r = httpx2.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     finally:
-        service.submit = submit
+        service.submit_choices = submit
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
 
 

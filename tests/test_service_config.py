@@ -112,8 +112,11 @@ def test_the_config_holds_what_the_flags_said_once():
     config = ServiceConfig.from_args(run.parse_args(FLAGS))
     assert {f.name for f in dataclasses.fields(ServiceConfig)} == {
         "runtime", "run", "tiers", "store", "queue_size", "timeout_s", "max_batch_size",
-        "max_batch_tokens", "batch_gather_s"}
+        "max_batch_tokens", "batch_gather_s", "score_piece_tokens"}
     assert (config.max_batch_size, config.max_batch_tokens) == (8, 8192)
+    assert config.score_piece_tokens is None      # the scheduler's own default
+    assert ServiceConfig.from_args(run.parse_args(
+        FLAGS + ["--score-piece-tokens", "128"])).score_piece_tokens == 128
     assert config.batch_gather_s == 0.01
     assert ServiceConfig.from_args(run.parse_args(
         FLAGS + ["--batch-gather-ms", "0"])).batch_gather_s == 0

@@ -237,6 +237,10 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     g.add_argument("--max-batch-tokens", type=int_range(1), default=8192, metavar="N",
                    help="tokens per step: one per running request plus the prompts "
                         "prefilled in it; a lone prompt is always taken (8192)")
+    g.add_argument("--score-piece-tokens", type=int_range(1), default=None, metavar="N",
+                   help="a scored prompt (echo with logprobs) is prefilled this many tokens "
+                        "per step, so that other requests wait for a piece, not the whole "
+                        "prompt (32)")
     g.add_argument("--batch-gather-ms", type=finite_float(0, 10000), default=None, metavar="MS",
                    help="an idle server waits this long after a request for others "
                         "arriving with it, so that a burst is prefilled in one pass "
