@@ -11,12 +11,14 @@ the tiers and the placement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, require
 
 _TYPE_ERROR = re.compile(r"^argument ([^:]+): (must .*)$")
 
@@ -136,6 +138,7 @@ def remote_url_arg(text: str) -> str:
 
     try:
         validate_url(text)
+        require("redis", "the remote tier", "redis==8.1.0")
     except UserError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("remote tier: ")) from None
     return text
