@@ -23,3 +23,17 @@ class ServiceError(Exception):
         """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+def require(module: str, purpose: str, pip_spec: str) -> None:
+    """An optional package that `purpose` needs, asked for before anything loads: a missing
+    one is a one-line UserError naming what to install (the core never imports these)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):   # an import system that refuses the name
+        found = False
+    if not found:
+        raise UserError(f"{purpose} needs the '{module}' package, which is not installed: "
+                        f"pip install {pip_spec}")

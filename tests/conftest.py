@@ -81,6 +81,11 @@ SLOW_TESTS = {
     "tests/test_service_config.py::test_run_plan_recompute_reaches_the_engine",
     "tests/test_service_config.py::test_the_workload_summary_counts_plans",
     "tests/test_weights.py::test_a_damaged_cached_tokenizer_is_rebuilt",
+    "tests/test_tokenizer_stand_in.py::test_the_exported_directory_gives_the_ggufs_ids_without_the_gguf",
+    "tests/test_optional_imports.py::test_the_gpu_checks_modules_import_without_the_optional_packages",
+    "tests/test_optional_imports.py::test_the_remote_tier_says_redis_is_missing_in_one_line",
+    "tests/test_optional_imports.py::test_the_server_says_its_stack_is_missing_before_loading_a_model",
+    "tests/test_gpu_check.py::test_dry_run_starts_everything_from_the_image_and_the_kit",
 }
 
 

@@ -99,7 +99,7 @@ def start_engine(engine: Engine) -> list[str]:
     ask the shared pool once, so that one that does not answer is known now (it then
     answers misses at once and requests are served locally until it is back). Returns
     warnings for the user."""
-    from ..tiers.remote import DIGEST_SIZE
+    from ..tiers.remote_codec import DIGEST_SIZE
     from ..tiers.remote_url import redact_url
 
     if engine.planner is not None:

@@ -41,7 +41,6 @@ import torch
 from policies import ServingPolicy
 
 from .batch_prefill import PrefillJob, prefill_pass
-from .. import cpu_threads
 from ..batch_runner import BatchRunner
 from ..errors import UserError
 from ..planner.context import ContextKV
@@ -83,8 +82,10 @@ class Engine:
         self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
         # FlexGen's weight buffers and the policy's per-layer state belong to one request at
         # a time: requests from several threads take turns through the layers (the store
-        # serves several engines at once).
-        self._serving = cpu_threads.ComputeLock()
+        # serves several engines at once). The buffers are the model's, so every engine on
+        # one runtime takes the runtime's lock (a planner's background recalibration on one
+        # engine must not run the model while another engine serves).
+        self._serving = runtime.compute_lock
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \

@@ -11,12 +11,14 @@ the tiers and the placement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, require
 
 _TYPE_ERROR = re.compile(r"^argument ([^:]+): (must .*)$")
 
@@ -94,10 +96,21 @@ def write_json(path: str | None, payload: dict) -> None:
     if path is None:
         return
     out = Path(path)
+    text = json.dumps(payload, indent=2) + "\n"
+    # A file is written beside, then renamed: a reader (or a run killed meanwhile) sees the
+    # previous file or the new one, never half of one. Anything else (/dev/stdout, a link)
+    # is written in place.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            out.write_text(text)
+            return
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.write_text(text)
+        os.replace(tmp, out)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise UserError(f"cannot write {path}: {exc.strerror}") from None
 
 
@@ -136,6 +149,7 @@ def remote_url_arg(text: str) -> str:
 
     try:
         validate_url(text)
+        require("redis", "the remote tier", "redis==8.1.0")
     except UserError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("remote tier: ")) from None
     return text

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ..errors import UserError
+from ..errors import UserError, require
 from ..serve_guard import BACKLOG, DEFAULT_MAX_BODY_BYTES, READ_TIMEOUT_S, ServerOptions
 from .args import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                    finite_float, int_range)
@@ -158,6 +158,10 @@ def server_options(args) -> ServerOptions:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The server stack is imported only when serving: a missing one is said before the
+    # model loads.
+    require("fastapi", "the OpenAI-compatible server", "fastapi==0.165.0")
+    require("uvicorn", "the OpenAI-compatible server", "uvicorn==0.54.0")
     from ..config import ServiceConfig
     from ..runtime import resolve_spec
     from ..service import Service

@@ -28,13 +28,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import nbytes
 from .pool_offer import StoredOffers
-from .remote import RedisTier, RemoteNamespace, chunk_hashes
+from .remote_codec import RemoteNamespace, chunk_hashes
 from .remote_url import SECRET_ENV
+
+if TYPE_CHECKING:   # the Redis client is imported only where a pool is configured
+    from .remote import RedisTier
 # Recompute speed assumed when the engine has no cost model (tokens per second): low, so
 # that only a pool clearly slower than computing is skipped.
 FALLBACK_TOKENS_PER_S = 1000.0
@@ -203,7 +207,11 @@ def shared_pool(url: str, store, dtype: torch.dtype, *, secret: str | bytes | No
     """The pool at `url` for the model (its fingerprint, when the shape has one) and chunk
     size of `store` (KV kept as it is stored on disk: float16). `secret` (default: the
     IMPRESS_REMOTE_SECRET environment variable) makes every value carry an HMAC."""
+    from ..errors import require
     from .chain import REMOTE
+
+    require("redis", "the remote tier", "redis==8.1.0")
+    from .remote import RedisTier
 
     shape = store.shape
     if secret is None:
