@@ -94,7 +94,8 @@ class _Lane:
             positions = torch.cat([torch.arange(self.front, device=r.device), positions])
         self.positions = positions[None]
         self.ahead = ReadAhead(r.store, r.policy, r.math.n_layers, inp.segments_nodes,
-                               inp.stats, front=self.front, shared_probes=shared_probes)
+                               inp.stats, front=self.front, shared_probes=shared_probes,
+                               device=r.prefix.select_device)
         self.ahead.start(0)
         if inp.given is not None:
             inp.given.start(0)
