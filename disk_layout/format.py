@@ -140,11 +140,16 @@ def encode_probe(keys: torch.Tensor, fmt: str) -> bytes:
         raise ValueError(f"unknown probe format {fmt}")
     groups = arr.astype(np.float32).reshape(-1, INT4_GROUP)
     lo, hi = groups.min(axis=1, keepdims=True), groups.max(axis=1, keepdims=True)
-    scale = np.maximum((hi - lo) / 15.0, 1e-8).astype(np.float16)
+    scale = ((hi - lo) / 15.0).astype(np.float16)
     lo16 = lo.astype(np.float16)
-    # Quantize against the fp16-rounded scale and minimum: those are what decode sees.
-    q = np.clip(np.rint((groups - lo16.astype(np.float32)) / scale.astype(np.float32)), 0, 15)
-    q = q.astype(np.uint8).reshape(-1, 2)
+    # Quantize against the fp16-rounded scale and minimum: those are what decode sees. A
+    # group whose range rounds to a zero scale (a constant group) is all zero codes: decode
+    # gives back its minimum, which is every value exactly (or within fp16's smallest step).
+    step = scale.astype(np.float32)
+    offset = groups - lo16.astype(np.float32)
+    q = np.zeros_like(groups)
+    np.divide(offset, step, out=q, where=step > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8).reshape(-1, 2)
     packed = (q[:, 0] | (q[:, 1] << 4)).astype(np.uint8)
     return packed.tobytes() + np.concatenate([scale, lo16], axis=1).tobytes()
 

@@ -16,6 +16,7 @@ What shapes a store's files (chunk size, probe and KV formats) is the RunConfig'
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .errors import UserError
 from .runtime import AUTO, RuntimeConfig
 from .store.config import CHUNK_SIZE
 from .tiers import TierConfig
+from .tiers.remote_url import SECRET_ENV, check_pool_trust
 
 GB = 1 << 30
 DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
@@ -137,6 +139,9 @@ class ServiceConfig:
     # An idle server waits this long after a request for others arriving with it: without
     # it, clients that send at once see the first prefilled alone and the rest wait for it.
     batch_gather_s: float = 0.01
+    # A scored prompt's tokens prefilled per step: what another request that arrives
+    # meanwhile waits for, and the rows of logits held at once (None: engine.scoring's).
+    score_piece_tokens: int | None = None
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -152,6 +157,8 @@ class ServiceConfig:
             raise UserError("the request timeout must be a positive number of seconds")
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
             raise UserError("the batch must hold at least 1 request and 1 token")
+        if self.score_piece_tokens is not None and self.score_piece_tokens < 1:
+            raise UserError("a scored prompt's pieces need at least 1 token")
         if not 0 <= self.batch_gather_s <= 10:
             raise UserError("the batch gather wait must be between 0 and 10 seconds")
         fold = object.__setattr__    # frozen: only here, while the object is being made
@@ -184,6 +191,8 @@ class ServiceConfig:
             kv_format=getattr(args, "kv_format", None))
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
+        check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),
+                         getattr(args, "remote_insecure", False))
         tiers = TierConfig(gpu, cpu, verify_hits=args.verify_tier_hits,
                            remote_url=args.remote_tier, remote_secret=args.remote_secret,
                            remote_ttl=args.remote_ttl)
@@ -194,7 +203,8 @@ class ServiceConfig:
         runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
                                 placement=args.placement, offload_dir=args.offload_dir,
                                 seed=args.seed, dtype=dtype_of(args.dtype))
-        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens")
+        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens",
+                                                  "score_piece_tokens")
                     if getattr(args, k, None) is not None}
         if getattr(args, "batch_gather_ms", None) is not None:
             batching["batch_gather_s"] = args.batch_gather_ms / 1000

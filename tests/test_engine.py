@@ -27,8 +27,8 @@ def _serve_twice(rt, policy_name, prefix, query, store_dir, new_tokens=5, retent
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
         engine = Engine(rt, store, policy, TierSizes(64 << 10, 256 << 10))
-        cold = engine.serve(Request(prefix, query, new_tokens))
-        warm = engine.serve(Request(prefix, query, new_tokens))
+        cold = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
+        warm = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         return cold, warm, store
     finally:
         store.close()
@@ -216,7 +216,7 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
         engine = Engine(rt, store, pol, TierSizes())
         padded = [0] * n_pad + real
         for _ in range(2):      # cold, then warm (pads and text both from the store)
-            resp = engine.serve(Request(padded, query, 4, n_pad=n_pad))
+            resp = engine.serve(Request(padded, query, 4, n_pad=n_pad, keep_logits=True))
             if policy == "full":
                 assert resp.tokens == ref.new_ids[0]
                 diff = (torch.stack(resp.step_logits) - ref.logits[0]).abs().max()

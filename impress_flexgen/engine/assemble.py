@@ -100,7 +100,7 @@ def start_engine(engine: Engine) -> list[str]:
     ask the shared pool once, so that one that does not answer is known now (it then
     answers misses at once and requests are served locally until it is back). Returns
     warnings for the user."""
-    from ..tiers.remote import DIGEST_SIZE
+    from ..tiers.remote_codec import DIGEST_SIZE
     from ..tiers.remote_url import redact_url
 
     if engine.planner is not None:
@@ -117,6 +117,10 @@ def start_engine(engine: Engine) -> list[str]:
         if pool.metrics()["down"]:
             warnings.append(f"the shared pool at {redact_url(pool.url)} does not answer; "
                             "requests are served from the local tiers and store until it does")
+        if not engine.shared.keyed:
+            warnings.append(f"the shared pool at {redact_url(pool.url)} has no secret "
+                            "(--remote-secret): anyone able to write to it can change answers; "
+                            "what it gives is used but never stored locally")
     return warnings
 
 

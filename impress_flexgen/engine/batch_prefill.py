@@ -70,6 +70,7 @@ class PrefillJob:
     sampler: object = None
     first: int = -1
     logits: torch.Tensor | None = None
+    first_scores: list | None = None   # the first token's (token, lp, top k), if asked
     going: bool = False
 
     def pass_input(self) -> PassInput:
@@ -98,7 +99,8 @@ class _Lane:
             positions = torch.cat([torch.arange(self.front, device=r.device), positions])
         self.positions = positions[None]
         self.ahead = ReadAhead(r.store, r.policy, r.math.n_layers, inp.segments_nodes,
-                               inp.stats, front=self.front, shared_probes=shared_probes)
+                               inp.stats, front=self.front, shared_probes=shared_probes,
+                               device=r.prefix.select_device)
         self.ahead.start(0)
         if inp.given is not None:
             inp.given.start(0)
@@ -130,6 +132,19 @@ def prefill_pass(r, inputs: list[PassInput]) -> list[tuple]:
     context, its per-layer (K, V) of positions matched.. (given, then new), the final hidden
     states of its last `n_hidden` positions, and the output weights that make logits.
     `r`: the engine's LayerRunner (its weights, embedding, MLP, attention, prefix KV)."""
+    steps = prefill_steps(r, inputs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_steps(r, inputs: list[PassInput]):
+    """prefill_pass a layer at a time: a generator that yields after each layer and
+    returns what prefill_pass does. Nothing of the model's is held between layers (each
+    layer's weights are brought and used within it), so another pass may run while one
+    waits there (engine.scoring); closing it part-way ends its reads."""
     lanes = []
     # Requests that matched the same node read its probe keys once (a burst on one
     # system prompt reads them once, not once per request).
@@ -164,6 +179,7 @@ def prefill_pass(r, inputs: list[PassInput]) -> list[tuple]:
                 if lane.inp.given is not None:
                     lane.inp.given.start(layer + 1)
             _layer(r, layer, hidden, groups, lanes)
+            yield layer
     finally:
         for lane in lanes:
             lane.close()
@@ -287,6 +303,9 @@ def start_together(e, items: list[tuple], pass_tokens: int | None = None) -> lis
         return out
     todo = []
     for i, (req, ql) in enumerate(items):
+        if req.prompt_logprobs is not None:     # prefilled in pieces of its own (scoring)
+            out[i] = _alone(e, req, ql)
+            continue
         try:
             todo.append((i, e._checked(req), ql))
         except UserError as exc:

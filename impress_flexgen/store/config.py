@@ -137,6 +137,10 @@ class StoreConfig:
     # Files of quarantined nodes are kept for inspection up to this many bytes (oldest go
     # first): a disk that keeps failing must not fill up with evidence.
     quarantine_bytes: int = 256 << 20
+    # Without a capacity the file system's free space is the limit: inserts evict before
+    # they would leave less than this free, so that the metadata database (whose log grows
+    # by up to about 4 MiB between checkpoints) can always record an insert or an eviction.
+    disk_headroom_bytes: int = 8 << 20
 
     def __post_init__(self):
         if not 16 <= self.chunk_size <= 256 or self.chunk_size % 8:
@@ -157,3 +161,5 @@ class StoreConfig:
             raise UserError("disk read limit must be a positive number of MB/s")
         if self.quarantine_bytes < 0:
             raise UserError("quarantine bytes must not be negative")
+        if self.disk_headroom_bytes < 0:
+            raise UserError("disk headroom must not be negative")

@@ -91,13 +91,14 @@ class LayerFiles:
                 log.warning("store %s: cannot remove %s: %s", self.state.dir, path, exc)
         node.retired_files.clear()
 
-    def free_bytes(self) -> int:
-        """Bytes this user may still write on the store's file system."""
+    def free_bytes(self) -> int | None:
+        """Bytes this user may still write on the store's file system; None where the file
+        system does not say (statvfs fails or reports no size)."""
         try:
             st = dio.statvfs(self.state.data_dir)
         except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize
+            return None
+        return st.f_bavail * st.f_frsize if st.f_blocks > 0 else None
 
     # ------------------------------------------------------------------ quarantine
     def quarantine_file(self, path: Path) -> None:
