@@ -101,7 +101,7 @@ class Engine:
         c = self.math
         # Decode steps count the KV they move in fp16 bytes, as the decode-phase policies do.
         self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2
-        # Loads count stored bytes: the store's KV format.
+        # Loads count stored bytes (the store's KV format).
         self.stored_bytes_per_token_layer = store.shape.kv_bytes_per_token_layer \
             if store is not None else self.kv_bytes_per_token_layer
         # The stored prefix KV a layer attends, and the prefill's loop over the layers.
@@ -113,8 +113,7 @@ class Engine:
         self.shared = None
         self.shared_fallbacks = 0
         self.shared_unstored = 0    # prefixes not stored: part of them came unauthenticated
-        # An exact reader takes nothing from a store format that is not the computed KV:
-        # nor from a pool in that format.
+        # An exact reader takes nothing from a store (or pool) in a format that loses bits.
         if tiers.remote_url and store is not None and policy.reuse and \
                 (store.shape.kv_exact or not policy.exact_reads):
             self.shared = shared_pool(
@@ -270,8 +269,7 @@ class Engine:
         job.segments_nodes, job.matched, job.given, job.n_given = \
             segments_nodes, matched, given, n_given
         job.new_ids, job.front = new_ids, front
-        if self.policy.exact_reads:
-            # What a store keeps of this prefix is computed in canonical tiles (canonical.py).
+        if self.policy.exact_reads:     # what a store keeps: canonical calls (canonical.py)
             chunk = self.store.config.chunk_size if self.store is not None else CHUNK_SIZE
             job.canonical_end = len(req.prefix) // chunk * chunk
         return job
