@@ -11,7 +11,8 @@ same_prompt     a prompt served cold (computed, then stored), then again from th
 other_query     another query over the stored prefix, against a fresh store's answer;
 grown_prefix    a prefix stored in two parts (a conversation's first turn, then the whole),
                 against the whole computed at once;
-batch           two requests prefilled together, cold, then together again from the store;
+batch           two requests (prefixes sharing nothing) prefilled together, cold, then
+                together again from the store (one pass each time: the same batch shape);
 lossy_format    a store kept in a format that loses bits (--kv-format fp16 under fp32
                 compute, bf16 under fp16) is never read by the exact policy: it matches
                 nothing, and the answer is the recomputed one.
@@ -44,17 +45,16 @@ def _diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(_logprobs(a), _logprobs(b)))
 
 
-def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int]]:
-    """A long prefix and two queries."""
+def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A long prefix, two queries, and a second prefix sharing no chunk with the first."""
     if quick:
-        ids = np.random.default_rng(7).integers(10, 40000, 330).tolist()
-        return ids[:300], ids[300:315], ids[315:]
+        ids = np.random.default_rng(7).integers(10, 40000, 530).tolist()
+        return ids[:300], ids[300:315], ids[315:330], ids[330:]
     from impress_flexgen.corpus import passages
 
-    text = passages("austen_pride_and_prejudice", 1400, 1, seed=3)[0]
-    ids = rt.tokenizer.encode(text)[:300]
-    return ids, rt.tokenizer.encode(" The letter said that"), \
-        rt.tokenizer.encode(" In the morning she")
+    first, second = passages("austen_pride_and_prejudice", 1400, 2, seed=3)
+    return rt.tokenizer.encode(first)[:300], rt.tokenizer.encode(" The letter said that"), \
+        rt.tokenizer.encode(" In the morning she"), rt.tokenizer.encode(second)[:200]
 
 
 def stored_vs_computed_logprobs(quick: bool) -> dict:
@@ -68,7 +68,7 @@ def stored_vs_computed_logprobs(quick: bool) -> dict:
     cases: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="abuse-exact-") as tmp, \
             Runtime(RuntimeConfig(model=model, offload_dir=str(Path(tmp) / "off"))) as rt:
-        prefix, query, other = _prompts(rt, quick)
+        prefix, query, other, second = _prompts(rt, quick)
         cfg = ServingConfig()
         full = make_policy("full", cfg)
         opened = []
@@ -98,7 +98,7 @@ def stored_vs_computed_logprobs(quick: bool) -> dict:
                                      "matched_tokens": grown.stats.matched_tokens}
             batch_engine = engine("batch")
             pair = [(Request(p, q, 4, forced=q[:3]), True)
-                    for p, q in ((prefix, query), (prefix[: len(prefix) * 2 // 3], other))]
+                    for p, q in ((prefix, query), (second, other))]
 
             def together():
                 out = []
