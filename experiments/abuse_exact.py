@@ -2,6 +2,8 @@
 
     python -m experiments.abuse_exact [--quick] [--json out.json]
 
+Also a class of experiments.abuse_test (stored_vs_computed_logprobs, its --quick in CI).
+
 With the default policy (`full`, exact) and the default store format (the compute dtype),
 each case serves prompts on a fresh store and compares the log-probabilities (log-softmax
 of the logits, every query position and every generated step) of answers that differ only
@@ -48,8 +50,8 @@ def _diff(a, b) -> float:
 def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int], list[int]]:
     """A long prefix, two queries, and a second prefix sharing no chunk with the first."""
     if quick:
-        ids = np.random.default_rng(7).integers(10, 40000, 530).tolist()
-        return ids[:300], ids[300:315], ids[315:330], ids[330:]
+        ids = np.random.default_rng(7).integers(10, 40000, 350).tolist()
+        return ids[:200], ids[200:215], ids[215:230], ids[230:]
     from impress_flexgen.corpus import passages
 
     first, second = passages("austen_pride_and_prejudice", 1400, 2, seed=3)
@@ -57,8 +59,17 @@ def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int], list[int
         rt.tokenizer.encode(" In the morning she"), rt.tokenizer.encode(second)[:200]
 
 
-def stored_vs_computed_logprobs(quick: bool) -> dict:
-    """Run every case; {"passed", "max_abs_diff", "cases": {name: {...}}, "model", ...}."""
+def stored_vs_computed_logprobs(quick: bool, workdir: Path | None = None) -> dict:
+    """Run every case (stores and offloaded weights under `workdir`, else a temporary
+    folder); {"passed", "max_abs_diff", "cases": {name: {...}}, "model", "kv_format"}, and
+    "error" (one line) when it did not pass."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="abuse-exact-") as tmp:
+            return stored_vs_computed_logprobs(quick, Path(tmp))
+    return _run_cases(quick, Path(workdir))
+
+
+def _run_cases(quick: bool, tmp: Path) -> dict:
     from impress_flexgen.engine import Engine, Request, TierSizes, open_store
     from impress_flexgen.engine.batch_prefill import start_together
     from impress_flexgen.runtime import Runtime, RuntimeConfig
@@ -66,8 +77,7 @@ def stored_vs_computed_logprobs(quick: bool) -> dict:
 
     model = "llama-tiny" if quick else "smollm2-135m"
     cases: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="abuse-exact-") as tmp, \
-            Runtime(RuntimeConfig(model=model, offload_dir=str(Path(tmp) / "off"))) as rt:
+    with Runtime(RuntimeConfig(model=model, offload_dir=str(tmp / "off"))) as rt:
         prefix, query, other, second = _prompts(rt, quick)
         cfg = ServingConfig()
         full = make_policy("full", cfg)
@@ -75,7 +85,7 @@ def stored_vs_computed_logprobs(quick: bool) -> dict:
 
         def engine(name: str, kv_format: str | None = None) -> Engine:
             fmt = {} if kv_format is None else {"kv_format": kv_format}
-            store = open_store(Path(tmp) / name, rt, cfg, full, **fmt)
+            store = open_store(tmp / name, rt, cfg, full, **fmt)
             opened.append(store)
             return Engine(rt, store, full, TierSizes())
 
@@ -128,9 +138,14 @@ def stored_vs_computed_logprobs(quick: bool) -> dict:
         case["passed"] = case["max_abs_diff"] == 0.0 and (
             case["matched_tokens"] == 0 if name == "lossy_format" else
             case["matched_tokens"] > 0)
-    return {"passed": all(c["passed"] for c in cases.values()),
-            "max_abs_diff": max(c["max_abs_diff"] for c in cases.values()),
-            "model": model, "kv_format": kv_format, "cases": cases}
+    result = {"passed": all(c["passed"] for c in cases.values()),
+              "max_abs_diff": max(c["max_abs_diff"] for c in cases.values()),
+              "model": model, "kv_format": kv_format, "cases": cases}
+    if not result["passed"]:
+        result["error"] = "; ".join(
+            f"{name}: max |d logprob| {c['max_abs_diff']:.3g}, matched {c['matched_tokens']}"
+            for name, c in cases.items() if not c["passed"])
+    return result
 
 
 def main(argv=None) -> int:
