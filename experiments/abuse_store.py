@@ -124,8 +124,9 @@ def _forge(url: str, namespace, prefix, how: str, seed: int) -> int:
     n = 0
     for h in chunk_hashes(namespace, prefix):
         for layer in range(namespace.n_layers):
-            payload = torch.zeros(namespace.value_shape, dtype=torch.float16) if how == "zeros" \
-                else torch.randn(namespace.value_shape, generator=g).half()
+            payload = torch.zeros(namespace.value_shape, dtype=namespace.torch_dtype) \
+                if how == "zeros" else \
+                torch.randn(namespace.value_shape, generator=g).to(namespace.torch_dtype)
             client.set(layer_key(h, layer), encode_value(payload, namespace, h, layer))
             n += 1
     client.close()

@@ -228,7 +228,7 @@ def test_forged_value_without_the_secret_is_refused(tiny_runtimes, tmp_path, ser
     ns = writer.shared.namespace
     writer.close()
     wstore.close()
-    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
     client.set(layer_key(hashes[0], 1), encode_value(zeros, ns, hashes[0], 1, b"a guess"))
     client.set(layer_key(hashes[2], 0), encode_value(zeros, ns, hashes[2], 0))
     resp, m, _ = _read_back(rt, tmp_path, server.url, prefix, query, hashes, "pool-secret")

@@ -82,6 +82,10 @@ class PrefixKV:
                     stats.exact = False
                 continue
             rows, logical = tokens_of_chunks(seg, ids, firsts[si])
+            if self.policy.exact_reads and np.any(np.diff(logical) < 0):
+                # An exact reader attends in position order, as a recomputation does.
+                order = np.argsort(logical, kind="stable")
+                rows, logical = rows[order], logical[order]
             ks += self.rows(loaded[si]["k"], rows)
             vs += self.rows(loaded[si]["v"], rows)
             if plan.attend[si] is None:
@@ -120,7 +124,7 @@ class PrefixKV:
         the compute device. On a CPU, chunks wholly inside the prefix stay separate: the
         layer's one cat() joins and converts them. On a GPU, the tier's copies are there
         already and the rest come over in one copy."""
-        whole = len(rows) == sum(c.shape[1] for c in chunks)
+        whole = len(rows) == sum(c.shape[1] for c in chunks) and bool(np.all(np.diff(rows) > 0))
         if whole and self.device.type == "cpu" and all(c.device.type == "cpu" for c in chunks):
             return chunks
         joined = join_chunks(chunks, self.device)
