@@ -303,3 +303,20 @@ def test_reordered_layer_metadata_is_under_half_a_percent_of_smollm2_kv(tmp_path
     assert (fields / per_token_layer + shared) / kv_per_token_layer < 0.005 * 0.8
     if pages is not None:
         assert (pages / per_token_layer + shared) / kv_per_token_layer < 0.005
+
+
+def test_reorder_pass_leaves_no_journal_on_disk(tmp_path):
+    """The rows a reorder pass rewrites are folded into the database and the WAL cut back:
+    a burst's journal does not stay on disk beside the metadata."""
+    tokens = np.random.default_rng(8).integers(1, 30000, 12 * C).astype(np.int32)
+    with PrefixStore(tmp_path / "s", SHAPE, _config()) as store:
+        (node,) = store.insert(tokens, 0, token_kv(tokens, SHAPE, 0))
+        for layer in range(SHAPE.n_layers):
+            store.record_selection(store.entry(node, layer),
+                                   np.linspace(1, 0, len(tokens)).astype(np.float32), None)
+        wal = tmp_path / "s" / "store.sqlite-wal"
+        assert wal.stat().st_size > 0                  # the insert's transaction
+        assert store.reorder_now() == SHAPE.n_layers
+        assert wal.stat().st_size == 0
+        assert store.state.meta.db.execute("PRAGMA journal_size_limit").fetchone()[0] == \
+            md.JOURNAL_SIZE_LIMIT
