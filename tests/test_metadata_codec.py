@@ -320,3 +320,19 @@ def test_reorder_pass_leaves_no_journal_on_disk(tmp_path):
         assert wal.stat().st_size == 0
         assert store.state.meta.db.execute("PRAGMA journal_size_limit").fetchone()[0] == \
             md.JOURNAL_SIZE_LIMIT
+
+
+def test_metadata_size_experiment_quick(tmp_path):
+    from experiments import metadata_size
+
+    out = tmp_path / "m.json"
+    assert metadata_size.main(["--quick", "--lengths", "32,2048", "--rows", "30",
+                               "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    by = {r["tokens"]: r for r in res["results"]}
+    assert by[2048]["share_of_kv"]["smollm2-135m"] < 0.005
+    assert by[2048]["share_of_kv"]["opt-6.7b"] < 0.0003
+    assert by[2048]["bytes_per_token_layer"] >= by[2048]["field_bytes_per_token_layer"]
+    with pytest.raises(SystemExit) as exit_:
+        metadata_size.main(["--lengths", "100"])
+    assert exit_.value.code == 2
