@@ -249,7 +249,7 @@ def test_a_pool_without_a_secret_is_used_but_never_becomes_local_state(tiny_runt
     ns = writer.shared.namespace
     writer.close()
     wstore.close()
-    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
     for h in hashes:
         for layer in range(ns.n_layers):
             client.set(layer_key(h, layer), encode_value(zeros, ns, h, layer))
