@@ -16,7 +16,7 @@ REDIS_HINT   := redis-server is missing: the tests of the remote tier need it. I
 (Debian/Ubuntu: sudo apt-get install -y redis-server; macOS: brew install redis), or put a \
 redis-server binary on PATH, then run make test again.
 
-.PHONY: setup redis-server run test verify clean
+.PHONY: setup redis-server run test verify gpu-kit gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,17 @@ test: setup redis-server
 
 verify: setup
 	$(BIN)/python -m impress_flexgen.verify --model smollm2-135m $(ARGS)
+
+# The GPU machine's kit: the wheels its image lacks, SmolLM2's tokenizer and the recorded
+# selection trace (scripts/gpu_kit.py prints its size). On the device, from the checkout
+# with gpu-kit/ carried along: bash scripts/gpu_check.sh (docs/reproduction.md).
+GPU_KIT ?= gpu-kit
+gpu-kit: setup
+	$(BIN)/python scripts/gpu_kit.py --out $(GPU_KIT)
+
+# The same check on this CPU, in a fresh venv of the image's packages, with tiny models.
+gpu-check-dry: gpu-kit
+	GPU_CHECK_DRY=1 GPU_KIT=$(abspath $(GPU_KIT)) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

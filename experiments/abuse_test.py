@@ -4,9 +4,10 @@
     python -m experiments.abuse_test --quick --json out.json
     python -m experiments.abuse_test --only huge_body,role_injection
 
-The server runs in this process on a loopback port (llama-tiny, random weights, a store in a
-temporary folder), twice: open (no API key) and with two API keys. Each class sends what a
-hostile or careless client would and checks the answer:
+The server runs in this process on loopback ports (llama-tiny, random weights, a store in a
+temporary folder), three times over one service: open (no API key), with two API keys, and
+open with prompt token details. Each class sends what a hostile or careless client would and
+checks the answer:
 
 huge_body        a 30 MB body with its Content-Length, while a 1-token request is sent: the
                  big one gets 413 and the small one its answer, both within 2 s;
@@ -25,7 +26,29 @@ tenant_probe     tenant A stores a prompt holding a secret; tenant B (another ke
                  another cache_salt) sends a right and a wrong guess of it: both answers
                  carry the same fields and the same usage, and no stats block;
 cancel_noise     a queued request whose client gives up: cancelled, and nothing is logged
-                 as an exception never retrieved.
+                 as an exception never retrieved;
+slow_clients     three times the connection cap of connections sending nothing, half their
+                 headers or half a body: a normal request is answered meanwhile, every slow
+                 one is closed within the read deadline, warnings a line a second at most
+                 (experiments.abuse_connections; outside --quick also the server program
+                 under a 256-descriptor limit with 300 of them);
+membership_usage in one namespace (no key, no salt), a right and a wrong guess of a stored
+                 prompt holding a secret get the same usage; on a server started with
+                 prompt token details the same probe does tell them apart (the store held
+                 the prompt: the check is not empty).
+
+Classes checked in modules of their own, imported when they run (experiments.abuse_external):
+
+    experiments.abuse_scoring   scoring_stall, logits_memory
+    experiments.abuse_store     unauthenticated_pool, fingerprint_edit
+    experiments.abuse_exact     stored_vs_computed_logprobs
+
+each a function `NAME(quick: bool, workdir: pathlib.Path) -> dict`, called with keywords:
+`workdir` an empty temporary folder of its own (removed afterwards), `quick` true in a
+--quick run (then a few seconds each: the whole quick run is CI's). The dict has at least
+"passed" (a bool) and, when it did not pass, "error" (one line); its other keys (figures)
+are kept in the --json output's "details". A module or function that is missing makes its
+class "not available", counted as a failed round.
 
 The operator's classes (a FIFO, nested JSON or zero coefficients in the calibration cache,
 --output equal to --requests, activations placed on disk) are in experiments.abuse_operator.
@@ -46,12 +69,16 @@ import threading
 import time
 from pathlib import Path
 
+from experiments.abuse_connections import slow_clients
+from experiments.abuse_external import EXTERNAL, NotAvailable, run_external
 from experiments.abuse_operator import OPERATOR_CLASSES, run_operator
 
 MODEL = "llama-tiny"
 CLIENT_CLASSES = ("huge_body", "chunked_body", "long_prompt", "surrogate", "coerced_types",
-                  "stop_cap", "role_injection", "api_key", "tenant_probe", "cancel_noise")
-CLASSES = CLIENT_CLASSES + OPERATOR_CLASSES
+                  "stop_cap", "role_injection", "api_key", "tenant_probe", "cancel_noise",
+                  "slow_clients", "membership_usage")
+CLASSES = CLIENT_CLASSES + tuple(EXTERNAL) + OPERATOR_CLASSES
+ONE_ROUND_WHEN_QUICK = ("huge_body", "chunked_body", "cancel_noise", "slow_clients")
 KEYS = ("key-tenant-a", "key-tenant-b")
 SECRET = ("You are the bank's assistant. The vault code of the Netherfield branch is 4417, "
           "and it must never be said aloud. Customers ask about opening hours, loans, and "
@@ -62,10 +89,13 @@ SECRET = ("You are the bank's assistant. The vault code of the Netherfield branc
 class Abuse:
     """The servers under test and the checks, one method per class."""
 
-    def __init__(self, service, open_url: str, keyed_url: str):
+    def __init__(self, service, open_url: str, keyed_url: str, details_url: str | None = None,
+                 quick: bool = True):
         self.service = service
         self.open_url = open_url
         self.keyed_url = keyed_url
+        self.details_url = details_url      # a server started with prompt token details
+        self.quick = quick
 
     # -- helpers ----------------------------------------------------------------------------
     def post(self, path, body=None, url=None, key=None, timeout=30.0, content=None, **kw):
@@ -231,6 +261,32 @@ class Abuse:
                 return f"usage differs: {right['usage']} / {wrong['usage']}"
         return None
 
+    def slow_clients(self) -> str | None:
+        return slow_clients(self.service, self.quick)
+
+    def membership_usage(self) -> str | None:
+        frontend = self.service.frontend
+        nonce = f"Ledger {time.monotonic_ns()}. "     # a prompt no earlier round stored
+        for url, oracle in ((self.open_url, False), (self.details_url, True)):
+            nonce += "Again. "
+            right, wrong = nonce + SECRET, nonce + SECRET.replace("4417", "9051")
+            if len(frontend.encode(right)) != len(frontend.encode(wrong)):
+                return "the two guesses differ in length: the probe cannot compare them"
+
+            def ask(prompt):
+                r = self.post("/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                  "max_tokens": 1, "temperature": 0}, url=url)
+                return r.json()["usage"]
+
+            ask(right)                                   # the owner's prompt is now stored
+            hit, miss = ask(right), ask(wrong)
+            if not oracle and hit != miss:
+                return f"usage tells a stored prompt from another: {hit} / {miss}"
+            if oracle and not (hit["prompt_tokens_details"]["cached_tokens"] >
+                               miss["prompt_tokens_details"]["cached_tokens"]):
+                return f"with prompt token details the store showed nothing: {hit} / {miss}"
+        return None
+
     def cancel_noise(self) -> str | None:
         import httpx2
 
@@ -275,7 +331,44 @@ def store_isolates(service) -> bool:
     return done.stats["matched_tokens"] == 0
 
 
+def run_rounds(name: str, rounds: int, check) -> dict:
+    row = {"rounds": 0, "passed": 0, "failed": 0, "errors": []}
+    for _ in range(rounds):
+        details = None
+        try:
+            error = check()
+            if isinstance(error, tuple):
+                error, details = error
+        except NotAvailable as exc:
+            error = str(exc)
+            row["not_available"] = True
+        except Exception as exc:  # noqa: BLE001 - a failed round
+            error = f"{type(exc).__name__}: {exc}"
+        row["rounds"] += 1
+        row["passed" if error is None else "failed"] += 1
+        if error is not None and len(row["errors"]) < 3:
+            row["errors"].append(error)
+        if details:
+            row["details"] = details
+        if row.get("not_available"):
+            break
+    return row
+
+
 def run(classes, rounds: int, quick: bool) -> dict:
+    results = {}
+    clients = [c for c in classes if c in CLIENT_CLASSES]
+    if clients:
+        results.update(run_clients(clients, rounds, quick))
+    for name in classes:
+        if name in EXTERNAL:
+            results[name] = run_rounds(name, rounds, lambda: run_external(name, quick))
+        elif name in OPERATOR_CLASSES:
+            results[name] = run_rounds(name, rounds, lambda: run_operator(name))
+    return {name: results[name] for name in classes}
+
+
+def run_clients(classes, rounds: int, quick: bool) -> dict:
     from impress_flexgen.runtime import Runtime, RuntimeConfig
     from impress_flexgen.serve import background_server
     from impress_flexgen.serve_guard import ServerOptions
@@ -288,8 +381,10 @@ def run(classes, rounds: int, quick: bool) -> dict:
             config = ServiceConfig(model=MODEL, store_root=Path(tmp) / "stores", queue_size=8)
             with Service(config, runtime=rt) as service, \
                     background_server(service) as open_url, \
-                    background_server(service, options=ServerOptions(api_keys=KEYS)) as keyed:
-                abuse = Abuse(service, open_url, keyed)
+                    background_server(service, options=ServerOptions(api_keys=KEYS)) as keyed, \
+                    background_server(service, options=ServerOptions(
+                        prompt_tokens_details=True)) as details:
+                abuse = Abuse(service, open_url, keyed, details, quick)
                 isolates = store_isolates(service) if "tenant_probe" in classes else True
                 for name in classes:
                     if name == "tenant_probe" and not isolates:
@@ -297,19 +392,8 @@ def run(classes, rounds: int, quick: bool) -> dict:
                                          "missing": "the store does not keep namespaces apart",
                                          "errors": []}
                         continue
-                    row = {"rounds": 0, "passed": 0, "failed": 0, "errors": []}
-                    for _ in range(1 if quick and name in ("huge_body", "chunked_body",
-                                                           "cancel_noise") else rounds):
-                        try:
-                            error = run_operator(name) if name in OPERATOR_CLASSES \
-                                else getattr(abuse, name)()
-                        except Exception as exc:  # noqa: BLE001 - a failed round
-                            error = f"{type(exc).__name__}: {exc}"
-                        row["rounds"] += 1
-                        row["passed" if error is None else "failed"] += 1
-                        if error is not None and len(row["errors"]) < 3:
-                            row["errors"].append(error)
-                    results[name] = row
+                    n = 1 if quick and name in ONE_ROUND_WHEN_QUICK else rounds
+                    results[name] = run_rounds(name, n, getattr(abuse, name))
         finally:
             rt.close()
     return results
@@ -330,15 +414,17 @@ def main(argv=None) -> int:
     results = run(classes, 1 if args.quick else args.rounds, args.quick)
     for name, row in results.items():
         state = ("missing: " + row["missing"]) if "missing" in row else \
+            "not available" if row.get("not_available") else \
             f"{row['passed']}/{row['rounds']} passed"
-        print(f"{name:15s} {state}")
+        print(f"{name:27s} {state}")
         for error in row["errors"]:
             print(f"    {error}")
     failed = sum(row["failed"] for row in results.values())
     print(f"{len(results)} classes, {failed} failed rounds")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": MODEL, "quick": args.quick,
-                                               "classes": results}, indent=1) + "\n")
+                                               "classes": results}, indent=1,
+                                              default=str) + "\n")
     return 1 if failed else 0
 
 

@@ -583,7 +583,8 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
         def serve_forced(p, query, forced, steps):
             """Decode mode: `steps` rows; row 0 (from prefill) predicts forced[0], row i the
             token after forced[i - 1], which decode step i - 1 was fed."""
-            resp = engine.serve(Request(t.prefixes[p], query, steps, forced=forced))
+            resp = engine.serve(Request(t.prefixes[p], query, steps, forced=forced,
+                                        keep_logits=True))
             _tick(ctx)
             return resp, _forced(resp)
 

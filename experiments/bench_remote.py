@@ -198,7 +198,7 @@ class Ways:
             ([CLUSTER] if self.cluster_url else []) + ([IMPRESS] if self.impress else [])
 
     def serve(self, name: str, query: list[int]):
-        req = Request(self.prefix, query, 1)
+        req = Request(self.prefix, query, 1, keep_logits=True)
         if name == RECOMPUTE:
             return self.recompute.serve(req)
         if name == DISK:

@@ -2,6 +2,7 @@
 
     python -m experiments.gpu_repro [--out DIR] [--models opt-6.7b,opt-13b,opt-30b]
                                     [--prefix-tokens 5120] [--trace PATH] [--budget-s 420]
+                                    [--max-pool-gib 8]
     python -m experiments.gpu_repro --record-trace-only --out DIR     # on a CPU, beforehand
     python -m experiments.gpu_repro --quick [--models opt-tiny] ...   # CPU smoke run
 
@@ -23,7 +24,11 @@ The trace is recorded with `impress` on SmolLM2 (minutes on a CPU) and saved as
 <out>/selection_trace.json; `--trace PATH` reuses one, so the GPU run spends its time on the
 OPT models. Rows run most important first (opt-6.7b, then 13b, then 30b; random-weight rows,
 then the replayed one); a row whose estimated time would exceed `--budget-s` is skipped and
-listed. Everything goes under --out: gpu_repro.json, selection_trace.json, gpu_repro.png.
+listed. A row's estimate is the same row's time on the model before, scaled by the larger
+of the two ratios that bound it: KV bytes (disk writes and reads) and weight bytes x prefix
+tokens (compute). `--max-pool-gib` caps the KV of a model's prefix pool: a model whose pool
+would be larger serves fewer prefixes of the same length (at least one), so OPT-30B's
+5,120-token prefixes (6.6 GiB each) fit a short run as one prefix. Everything goes under --out: gpu_repro.json, selection_trace.json, gpu_repro.png.
 """
 from __future__ import annotations
 
@@ -88,6 +93,9 @@ def parse_args(argv):
                    help="selection modes to run: random, replayed (default both)")
     p.add_argument("--budget-s", type=finite_float(0, low_open=True), default=420.0,
                    help="skip rows that would end after this many seconds (default 420)")
+    p.add_argument("--max-pool-gib", type=finite_float(0, low_open=True),
+                   help="a model whose prefix pool would hold more KV than this serves fewer "
+                        "prefixes (at least one; default: no cap)")
     p.add_argument("--trace", metavar="PATH", help="a selection trace recorded beforehand")
     p.add_argument("--trace-model", default="smollm2-135m",
                    help="real-weight model whose selections are replayed (default %(default)s)")
@@ -170,17 +178,32 @@ def weight_bytes(spec) -> int:
 
 def choose_placement(spec, reserve_bytes: int) -> tuple[Placement, str]:
     """All weights on the GPU when they fit beside `reserve_bytes` (tiers, activations);
-    otherwise weights in CPU memory, streamed layer by layer. Without CUDA the "GPU" is a
-    CPU device object, so "gpu" is the fast path there too."""
+    otherwise the share that fits on the GPU and the rest in CPU memory, streamed layer by
+    layer (FlexGen splits each layer's weights by that percentage). Without CUDA the "GPU"
+    is a CPU device object, so "gpu" is the fast path there too."""
     if not torch.cuda.is_available():
         return Placement.parse("gpu"), "gpu (no CUDA: the compute device is the CPU)"
     free, _ = torch.cuda.mem_get_info()
-    need = weight_bytes(spec) + reserve_bytes
-    if need <= 0.9 * free:
-        return Placement.parse("gpu"), f"gpu (weights {weight_bytes(spec) / 2**30:.1f} GiB fit)"
-    return (Placement.parse("0,100,100,0,100,0"),
-            f"weights on CPU ({weight_bytes(spec) / 2**30:.1f} GiB + reserve exceed "
+    weights = weight_bytes(spec)
+    room = 0.9 * free - reserve_bytes        # 10% of the free memory kept for the allocator
+    if weights <= room:
+        return Placement.parse("gpu"), f"gpu (weights {weights / 2**30:.1f} GiB fit)"
+    percent = max(0, min(99, int(100 * room / weights)))
+    return (Placement.parse(f"{percent},{100 - percent},100,0,100,0"),
+            f"{percent}% of the weights on the GPU, the rest in CPU memory ({weights / 2**30:.1f} "
+            f"GiB + {reserve_bytes / 2**30:.1f} GiB reserve exceed 90% of "
             f"{free / 2**30:.1f} GiB free on the GPU)")
+
+
+def model_workload(wcfg: WorkloadConfig, kv_per_token: int,
+                   max_pool_gib: float | None) -> WorkloadConfig:
+    """The workload a model serves: `wcfg`, with fewer prefixes (at least one) where its
+    pool would hold more than `max_pool_gib` of KV."""
+    if max_pool_gib is None:
+        return wcfg
+    fit = int(max_pool_gib * 2**30 // (wcfg.prefix_tokens * kv_per_token))
+    n = max(1, min(wcfg.n_prefixes, fit))
+    return wcfg if n == wcfg.n_prefixes else dataclasses.replace(wcfg, n_prefixes=n)
 
 
 def positions_needed(wcfg: WorkloadConfig) -> int:
@@ -318,22 +341,31 @@ class Budget:
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.t0 = time.perf_counter()
-        self.seen: dict[str, tuple[float, float]] = {}   # key -> (wall s, pool bytes)
+        self.seen: dict[str, tuple[float, tuple]] = {}   # key -> (wall s, sizes)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def estimate(self, key: str, pool: float) -> float:
+    def estimate(self, key: str, sizes: tuple) -> float:
+        """The row's time on the model before, scaled by the largest ratio of the sizes
+        that bound it (0 when it has not run yet: a first model's rows always run)."""
         if key not in self.seen:
             return 0.0
-        wall, pool0 = self.seen[key]
-        return wall * pool / pool0
+        wall, before = self.seen[key]
+        return wall * max(now / then for now, then in zip(sizes, before))
 
-    def fits(self, key: str, pool: float) -> bool:
-        return self.elapsed() + self.estimate(key, pool) <= self.seconds
+    def fits(self, key: str, sizes: tuple) -> bool:
+        return self.elapsed() + self.estimate(key, sizes) <= self.seconds
 
-    def record(self, key: str, wall: float, pool: float) -> None:
-        self.seen[key] = (wall, pool)
+    def record(self, key: str, wall: float, sizes: tuple) -> None:
+        self.seen[key] = (wall, sizes)
+
+
+def row_sizes(spec, wcfg: WorkloadConfig) -> tuple[int, int]:
+    """What a row's time grows with: the pool's KV bytes (written once, read per query)
+    and weight bytes x prefix tokens (the compute of inserts and recomputes)."""
+    tokens = wcfg.n_prefixes * wcfg.prefix_tokens
+    return tokens * _kv_per_token(spec), weight_bytes(spec) * tokens
 
 
 def main(argv=None) -> int:
@@ -406,16 +438,17 @@ def _run(args, argv, wcfg, out: Path, root: Path, budget: Budget) -> int:
         entry = {"modes": {label: {} for label in result["modes"].values()}}
         result["models"][name] = entry
         spec, _ = model_spec(name, wcfg, args.seed)
-        pool = wcfg.n_prefixes * wcfg.prefix_tokens * _kv_per_token(spec)
+        served = model_workload(wcfg, _kv_per_token(spec), args.max_pool_gib)
         first = f"{rows[0][0]}/{rows[0][1]}"
-        need = budget.estimate("build", weight_bytes(spec)) + budget.estimate(first, pool)
+        need = budget.estimate("build", (weight_bytes(spec),)) + \
+            budget.estimate(first, row_sizes(spec, served))
         if budget.elapsed() + need > args.budget_s:
             _skip(result, name, rows, f"would pass --budget-s {args.budget_s:g} before its "
                                       f"first row (elapsed {budget.elapsed():.0f} s, build and "
                                       f"first row estimated {need:.0f} s)")
             continue
-        _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path,
-                     lambda: _write(result, json_path, args.json))
+        _serve_model(args, name, served, rows, entry, result, root, budget, trace_path,
+                     lambda: _write(result, json_path, args.json, out / "gpu_repro.png"))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -439,11 +472,13 @@ def _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path
         // max(1, spec.config.num_hidden_layers) + (6 << 30)
     placement, why = choose_placement(spec, reserve)
     print(f"{name}: building ({why}; {spec.config.max_seq_len} positions"
-          f"{', extended for the workload' if longer else ''})")
+          f"{', extended for the workload' if longer else ''}); {wcfg.n_prefixes} x "
+          f"{wcfg.prefix_tokens}-token prefixes, {pool / 2**30:.2f} GiB of KV")
     t0 = time.perf_counter()
     with Runtime(RuntimeConfig(model=name, seed=args.seed, max_seq_len=longer,
                                placement=placement)) as rt:
-        budget.record("build", time.perf_counter() - t0, weight_bytes(rt.spec))
+        budget.record("build", time.perf_counter() - t0, (weight_bytes(rt.spec),))
+        sizes = row_sizes(rt.spec, wcfg)
         tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         wl = build_workload(rt.tokenizer, wcfg)
         entry.update(placement=why, placement_percent=dataclasses.asdict(placement),
@@ -451,6 +486,7 @@ def _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path
                      max_seq_len_overridden=longer is not None,
                      build_s=round(time.perf_counter() - t0, 2),
                      kv_bytes_per_token=kv_tok, pool_kv_bytes=pool,
+                     workload=dataclasses.asdict(wcfg),
                      gpu_tier_bytes=tiers.gpu_bytes, cpu_tier_bytes=tiers.cpu_bytes,
                      sources=wl.sources)
         if trace_path is not None:
@@ -461,10 +497,10 @@ def _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path
                 print(f"{name}: warning: the trace's request order differs from this workload's")
         for mode, column, run in rows:
             key = f"{mode}/{column}"
-            if not budget.fits(key, pool):
+            if not budget.fits(key, sizes):
                 _skip(result, name, [(mode, column, run)],
                       f"would pass --budget-s {args.budget_s:g} (elapsed "
-                      f"{budget.elapsed():.0f} s, estimate {budget.estimate(key, pool):.0f} s)")
+                      f"{budget.elapsed():.0f} s, estimate {budget.estimate(key, sizes):.0f} s)")
                 continue
             free = shutil.disk_usage(root).free
             if run.policy != "recomp" and free < 2.2 * pool:
@@ -475,7 +511,7 @@ def _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path
             t_row = time.perf_counter()
             row = pick(run_workload(rt, wl, run, tiers, store_root=root),
                        time.perf_counter() - t_row)
-            budget.record(key, row["wall_s"], pool)
+            budget.record(key, row["wall_s"], sizes)
             labels = result["modes"]
             for m in args.modes:
                 if m == mode:
@@ -491,7 +527,7 @@ def _kv_per_token(spec) -> int:
     from impress_flexgen.engine import model_shape
 
     s = model_shape(spec)
-    return 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2
+    return s.n_layers * s.kv_bytes_per_token_layer        # as stored (the compute dtype)
 
 
 def _skip(result: dict, model: str, rows, reason: str) -> None:
@@ -502,9 +538,12 @@ def _skip(result: dict, model: str, rows, reason: str) -> None:
         print(f"{model}: skipped {column} ({label}): {reason}")
 
 
-def _write(result: dict, path: Path, extra: str | None) -> None:
+def _write(result: dict, path: Path, extra: str | None, figure: Path | None = None) -> None:
+    """The results so far (after every row: a run cut short keeps what it finished)."""
     write_json(str(path), result)
     write_json(extra, result)
+    if figure is not None:
+        _figure(result, figure)
 
 
 def _print_row(model: str, mode: str, column: str, r: dict) -> None:

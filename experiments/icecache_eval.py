@@ -108,7 +108,8 @@ def runs(args) -> list[tuple[str, str, int]]:
 def serve(rt, policy_name, budget, decode, prefix, query, forced):
     cfg = ServingConfig(retention=1.0, decode_budget=budget)
     engine = assemble(rt, make_policy(policy_name, cfg, decode=decode)).engine   # no store
-    return engine.serve(Request(prefix, query, len(forced) + 1, forced=forced))
+    return engine.serve(Request(prefix, query, len(forced) + 1, forced=forced,
+                                keep_logits=True))
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
 from .request import RequestStats
+from .scores import step_scores
 from .sequence import Sequence
 
 
@@ -57,7 +58,8 @@ class BatchRunner:
             hidden.val = TorchTensor.create_from_torch(e.math.out(weights, attn, x), e.compute)
             e._mlp(2 + 2 * layer, hidden, stats)
         out_w = e._weights(len(e.model.layers) - 1, stats)
-        logits = e.math.logits(out_w, hidden.val.data[:, -1]).cpu()
+        on_device = e.math.logits(out_w, hidden.val.data[:, -1])
+        logits = on_device.cpu()
         elapsed = time.perf_counter() - t0
         picked = []
         for i, s in enumerate(seqs):
@@ -65,6 +67,14 @@ class BatchRunner:
             if s.pages is None:
                 s.moved += sum(kv.n for kv in s.kv) * e.kv_bytes_per_token_layer
             picked.append(s.accept(logits[i]))
+        # The log-probabilities asked for: one call for every such row of the batch, on the
+        # device; each sequence keeps numbers, not the step's (batch, vocab) logits.
+        scored = [i for i, s in enumerate(seqs) if s.request.logprobs is not None]
+        if scored:
+            rows = step_scores(on_device, scored, [picked[i] for i in scored],
+                               [seqs[i].request.logprobs for i in scored])
+            for i, row in zip(scored, rows):
+                seqs[i].logprobs.append(row)
         return picked
 
     def _embed(self, ids: list[int], pos: list[int], stats) -> ValueHolder:

@@ -10,12 +10,13 @@ that owns it:
     config = ServiceConfig(model="smollm2-135m", store_root="/srv/stores")
     config.runtime.model, config.store.root, config.tiers.gpu_bytes
 
-What shapes a store's files (chunk size, probe format) is the RunConfig's (store_options());
-the store's own format record is store.StoreConfig.
+What shapes a store's files (chunk size, probe and KV formats) is the RunConfig's
+(store_options()); the store's own format record is store.StoreConfig and its ModelShape.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .errors import UserError
 from .runtime import AUTO, RuntimeConfig
 from .store.config import CHUNK_SIZE
 from .tiers import TierConfig
+from .tiers.remote_url import SECRET_ENV, check_pool_trust
 
 GB = 1 << 30
 DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unless sized
@@ -60,12 +62,16 @@ class RunConfig:
     probe_every: int = 1                 # see ServingConfig
     prefetch: bool = False               # see ServingConfig
     plan: str = "load"                   # see ServingConfig: load, recompute, both or auto
+    # How the store keeps K and V (disk_layout.format.KV_FORMATS); None: the compute dtype,
+    # so that stored KV is the computed KV bit for bit. Any other format is inexact: an
+    # exact policy recomputes what such a store holds.
+    kv_format: str | None = None
 
     def store_options(self) -> dict:
         """The knobs of this row that shape its store (open_store keyword arguments)."""
         return {"chunk_size": self.chunk_size, "probe_format": self.probe_format,
                 "reorder_hot_fraction": self.reorder_hot_fraction,
-                "reorder_by": self.reorder_by}
+                "reorder_by": self.reorder_by, "kv_format": self.kv_format}
 
     def serving(self) -> ServingConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
@@ -133,6 +139,9 @@ class ServiceConfig:
     # An idle server waits this long after a request for others arriving with it: without
     # it, clients that send at once see the first prefilled alone and the rest wait for it.
     batch_gather_s: float = 0.01
+    # A scored prompt's tokens prefilled per step: what another request that arrives
+    # meanwhile waits for, and the rows of logits held at once (None: engine.scoring's).
+    score_piece_tokens: int | None = None
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -148,6 +157,8 @@ class ServiceConfig:
             raise UserError("the request timeout must be a positive number of seconds")
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
             raise UserError("the batch must hold at least 1 request and 1 token")
+        if self.score_piece_tokens is not None and self.score_piece_tokens < 1:
+            raise UserError("a scored prompt's pieces need at least 1 token")
         if not 0 <= self.batch_gather_s <= 10:
             raise UserError("the batch gather wait must be between 0 and 10 seconds")
         fold = object.__setattr__    # frozen: only here, while the object is being made
@@ -176,9 +187,12 @@ class ServiceConfig:
             probe_format=args.probe_format, chunk_size=args.chunk_size,
             reorder_hot_fraction=args.reorder_hot_fraction, reorder_by=args.reorder_by,
             probe_queries=args.probe_queries, probe_stride=args.probe_stride,
-            probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
+            probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan,
+            kv_format=getattr(args, "kv_format", None))
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
+        check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),
+                         getattr(args, "remote_insecure", False))
         tiers = TierConfig(gpu, cpu, exclusive=args.exclusive_tiers,
                            verify_hits=args.verify_tier_hits,
                            remote_url=args.remote_tier, remote_secret=args.remote_secret,
@@ -190,7 +204,8 @@ class ServiceConfig:
         runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
                                 placement=args.placement, offload_dir=args.offload_dir,
                                 seed=args.seed, dtype=dtype_of(args.dtype))
-        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens")
+        batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens",
+                                                  "score_piece_tokens")
                     if getattr(args, k, None) is not None}
         if getattr(args, "batch_gather_ms", None) is not None:
             batching["batch_gather_s"] = args.batch_gather_ms / 1000

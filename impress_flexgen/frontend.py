@@ -8,9 +8,9 @@ A prompt becomes token ids (plain text, ids, or chat messages through the model'
 template), checked against the model's positions and vocabulary; every mistake is a
 ServiceError naming the field (HTTP 400 with OpenAI's error body). On the way out,
 TextStream detokenises as tokens come, holding back what could still be a stop string or
-half a character, and token_logprobs scores each token under the model's own distribution.
-The Frontend needs only the model's spec and tokenizer: a request file is checked before
-the model is built.
+half a character; log-probabilities come from the engine as numbers (scores.py). The
+Frontend needs only the model's spec and tokenizer: a request file is checked before the
+model is built.
 """
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ from .store.config import CHUNK_SIZE
 MAX_STOP_STRINGS = 4   # as OpenAI's API
 MAX_STOP_CHARS = 256   # each; the stop check rescans this much text per token
 MAX_LOGPROBS = 20      # top log-probabilities per token, as vLLM's default limit
+# Log-probability entries (a token's own and its top k) one response may carry over its
+# prompt's tokens, every choice counted (each repeats the prompt's): what bounds a scored
+# prompt's length, since its logits are bounded by the piece (engine.scoring). Its text is
+# made under the GIL beside the server's other work, about 5 us an entry on the 2-core CPU:
+# 2**18 entries are about a second and 8 MB of JSON. One choice with the top 20 over a
+# prompt filling smollm2's 8,192 positions is 171,990 entries; 16 choices, 780 tokens.
+MAX_SCORED_ENTRIES = 1 << 18
 
 
 # -- prompts in ------------------------------------------------------------------------------
@@ -42,7 +49,7 @@ class Job:
     # opaque string per API key and cache salt keeps tenants' prefixes apart.
     namespace: str = ""
     logprobs: int | None = None     # per generated token: its log-probability and the top k
-    prompt_logprobs: bool = False   # the prompt's own log-probabilities (computed whole)
+    prompt_logprobs: bool = False   # the prompt's own log-probabilities (all computed)
     min_tokens: int = 0             # no stop string before this many tokens
 
     def split(self) -> tuple[list[int], list[int]]:
@@ -267,6 +274,25 @@ class Frontend:
                    logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs),
                    min_tokens=params.min_tokens)
 
+    def check_scored(self, job: Job, choices: int) -> None:
+        """A scored prompt whose answer stays bounded: 400 when its tokens after the first,
+        each with its own log-probability and the top k, in every choice, come to more
+        than MAX_SCORED_ENTRIES entries."""
+        if not job.prompt_logprobs:
+            return
+        per_token = 1 + (job.logprobs or 0)
+        entries = (len(job.ids) - 1) * per_token * choices
+        if entries > MAX_SCORED_ENTRIES:
+            most = MAX_SCORED_ENTRIES // (per_token * choices) + 1
+            raise ServiceError(400, f"scoring a {len(job.ids)}-token prompt with logprobs "
+                                    f"{job.logprobs or 0} and n {choices} returns {entries} "
+                                    f"log-probability entries, more than the "
+                                    f"{MAX_SCORED_ENTRIES} a response carries: at most "
+                                    f"{most} prompt tokens here (fewer choices, each of "
+                                    "which repeats the prompt's, or a smaller logprobs "
+                                    "allow more)", param="prompt",
+                               code="context_length_exceeded")
+
     def _stop_token_ids(self, extra, ignore_eos: bool) -> tuple[int, ...]:
         """The end-of-sequence token (unless ignored) and the request's own stop tokens."""
         ids = [] if ignore_eos else list(self.stop_token_ids)
@@ -334,21 +360,6 @@ def stop_strings(stop) -> tuple[str, ...]:
 
 
 # -- text out ----------------------------------------------------------------------------------
-def token_logprobs(logits, tokens: list[int], top: int) -> list[tuple]:
-    """(token, log-probability, [(token, log-probability)] of the `top` likeliest) for each
-    token under the logits row that predicted it (the model's own distribution)."""
-    import torch
-
-    out = []
-    for row, token in zip(logits, tokens):
-        lp = torch.log_softmax(row.double(), dim=-1)
-        best = lp.topk(top) if top else None
-        out.append((int(token), float(lp[token]),
-                    [] if best is None else list(zip(best.indices.tolist(),
-                                                     best.values.tolist()))))
-    return out
-
-
 class TextStream:
     """Incremental detokenization with stop strings. push(token) returns False once a stop
     string has appeared (the text ends before it). Text that could still turn out to be the
@@ -417,8 +428,9 @@ class Completion:
     finish_reason: str            # stop, length, timeout or cancelled
     prompt_tokens: int
     stats: dict
-    logprobs: list | None = None          # token_logprobs() of the generated tokens
-    prompt_logprobs: list | None = None   # None, then token_logprobs() of the prompt's rest
+    # Per generated token (token, log-probability, [(token, log-probability)] * top k)
+    logprobs: list | None = None
+    prompt_scores: object = None    # scores.TokenScores of the prompt's tokens after its first
 
     @property
     def completion_tokens(self) -> int:

@@ -3,6 +3,7 @@
     metrics = ServiceMetrics(queue, scheduler, engine, store)
     metrics.count("rejected"); metrics.observe(completion.stats, 12, "stop")
     metrics.text()       # the exposition format
+    drain = Drain(); drain.busy(); drain.left(); drain.retry_after_s(queued=16)
 
 Histograms of time to first token, engine time to first token, request time, batch size and
 time per output token; counters of requests by outcome, prompt tokens by where their KV came
@@ -12,6 +13,11 @@ and the shared pool's state when there is one).
 """
 from __future__ import annotations
 
+import collections
+import math
+import threading
+import time
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -19,6 +25,43 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OUTCOMES = ("ok", "rejected", "invalid", "cancelled", "timeout", "error")
 # The shared pool's counters exported as shared_pool_events{event=...}.
 POOL_EVENTS = ("skipped_requests", "corrupt_values", "incomplete_chunks")
+DRAIN_WINDOW_S = 30.0     # a 429's Retry-After is measured over the requests ending in it
+MAX_RETRY_AFTER_S = 60    # OpenAI's client ignores a longer one, then retries at once
+
+
+class Drain:
+    """How fast the queue drains, measured: the requests that left the service (served,
+    failed, cancelled, expired) in the last `window_s` seconds of the worker's busy time. A
+    full queue's 429 asks a client to come back when the queue ahead of it will have
+    drained at that rate, rather than all at once a second later."""
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s, self.clock = window_s, clock
+        self._left: collections.deque = collections.deque()
+        self._busy_since = clock()
+        self._lock = threading.Lock()
+
+    def busy(self) -> None:
+        """The worker starts after being idle: the rate is measured from now on."""
+        with self._lock:
+            self._busy_since = self.clock()
+
+    def left(self) -> None:
+        """A request left the service."""
+        with self._lock:
+            self._left.append(self.clock())
+
+    def retry_after_s(self, queued: int) -> int:
+        """Whole seconds until `queued` requests have drained at the measured rate, in
+        [1, MAX_RETRY_AFTER_S]. Before any request has left, at most one per the busy time
+        so far: the wait grows with what was measured, never guessed short."""
+        with self._lock:
+            now = self.clock()
+            since = max(now - self.window_s, self._busy_since)
+            while self._left and self._left[0] < since:
+                self._left.popleft()
+            rate = max(len(self._left), 1) / max(now - since, 1e-3)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(queued / rate)))
 
 
 def _ratio(counters: dict) -> float:

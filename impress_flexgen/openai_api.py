@@ -96,15 +96,25 @@ def refuse_unsupported(body: Common) -> None:
         raise ServiceError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def completion_logprobs(piece, prompt_ids, done, top: int) -> dict:
-    """The completions API's block: tokens, token_logprobs, top_logprobs, text_offset; the
-    prompt's tokens first when echoed (its first token has none)."""
-    rows = []
-    if done.prompt_logprobs is not None:
-        rows.append((prompt_ids[0], None, None))
-        rows += [(t, lp, best) for t, lp, best in done.prompt_logprobs[1:]]
-    rows += done.logprobs or []
-    tokens, values, tops, offsets, at = [], [], [], [], 0
+def completion_logprobs(piece, done, top: int, prompt: dict | None = None) -> dict:
+    """The completions API's block of a choice: the echoed prompt's (prompt_block) when
+    given, then the generated tokens'."""
+    at = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt else 0
+    mine = logprobs_block(piece, done.logprobs or [], top, at)
+    return {key: prompt[key] + mine[key] for key in mine} if prompt else mine
+
+
+def prompt_block(piece, prompt_ids, scores, top: int) -> dict:
+    """The echoed prompt's part of the block, from its scores (scores.TokenScores): made
+    once and shared by every choice."""
+    return logprobs_block(piece, [(prompt_ids[0], None, None), *scores.rows()], top)
+
+
+def logprobs_block(piece, rows, top: int, at: int = 0) -> dict:
+    """The completions API's block of `rows`, (token, log-probability, top k) each (None
+    and None for the prompt's first token): tokens, token_logprobs, top_logprobs and
+    text_offset counted from `at`."""
+    tokens, values, tops, offsets = [], [], [], []
     for token, lp, best in rows:
         text = piece(token)
         tokens.append(text)
@@ -126,13 +136,16 @@ def chat_logprobs(piece, done, top: int) -> dict:
                         for t, lp, best in done.logprobs or []]}
 
 
-def usage(dones) -> dict:
-    """Usage of a request's choices: the prompt counted once, every choice's tokens."""
+def usage(dones, details: bool = False) -> dict:
+    """Usage of a request's choices: the prompt counted once, every choice's tokens; with
+    `details`, how many prompt tokens were read from the store (prompt_tokens_details, null
+    otherwise, as vLLM without --enable-prompt-tokens-details)."""
     prompt = dones[0].prompt_tokens
     completion = sum(d.completion_tokens for d in dones)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": dones[0].stats["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": dones[0].stats["cached_tokens"]}
+            if details else None}
 
 
 def validation_message(exc) -> tuple[str, str | None]:

@@ -12,11 +12,12 @@ Two formats, told apart by the first request line:
 
 The file is read twice, line by line: check() looks at every line first (a plain request is
 tokenised too, then dropped), entries() builds each Job again as it is about to be submitted,
-so memory does not grow with the file's length. Unset sampling fields take the defaults
-every entry point shares (defaults.py).
+so memory does not grow with the file's length (but for 8 bytes an id: ids must be unique).
+Unset sampling fields take the defaults every entry point shares (defaults.py).
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
@@ -25,6 +26,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 from . import defaults
 from .errors import UserError
@@ -68,6 +71,7 @@ class RequestFile:
         self.max_tokens = defaults.MAX_TOKENS if max_tokens is None else max_tokens
         self.batch: bool | None = None     # decided by the first request line
         self.requests = 0                  # lines check() found
+        self.skipped: set[str] = set()     # the ids of `skip` that check() found
 
     # -- reading ---------------------------------------------------------------------------------
     def _lines(self) -> Iterator[tuple[int, dict]]:
@@ -202,22 +206,49 @@ class RequestFile:
 
     # -- the two passes --------------------------------------------------------------------------
     def check(self, skip=frozenset()) -> int:
-        """Look at every line; the number of requests to serve (ids in `skip` left out).
-        UserError names the first bad line; a plain request is also tokenised and checked
-        against the model (then dropped), so no bad line is found after serving began."""
+        """Look at every line; the number of requests to serve (ids in `skip` left out, and
+        noted in `skipped`). UserError names the first bad line; a plain request is also
+        tokenised and checked against the model (then dropped), so no bad line is found
+        after serving began. Ids must be unique (a result is matched to its request by id,
+        --resume too): a repeated one refuses the file."""
         requests = todo = 0
+        hashes = array.array("q")        # 8 bytes an id: memory stays small for long files
+        self.skipped = set()
         for n, item in self._lines():
             requests += 1
             entry = self._parse(n, item, requests)
+            hashes.append(hash(entry.id))
             if entry.id in skip:
+                self.skipped.add(entry.id)
                 continue
             todo += 1
             if not self.batch:
                 self._build(entry, item)
         if not requests:
             raise UserError(f"{self.path} holds no requests")
+        self._refuse_repeated_ids(hashes)
         self.requests = requests
         return todo
+
+    def _refuse_repeated_ids(self, hashes) -> None:
+        """UserError naming the first line whose id an earlier line has; the ids' hashes
+        find the candidates, a second read compares the ids themselves."""
+        ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
+        alike = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+        if not alike:
+            return
+        first_line: dict[str, int] = {}
+        for ordinal, (n, item) in enumerate(self._lines(), 1):
+            entry = self._parse(n, item, ordinal)
+            if hash(entry.id) not in alike:
+                continue
+            if entry.id in first_line:
+                implicit = "" if self.batch or "id" in item else \
+                    " (its number among the requests: it has no id of its own)"
+                raise UserError(f"{self.path} line {n}: id {entry.id!r}{implicit} is also the "
+                                f"id of line {first_line[entry.id]}; give each request its "
+                                "own id")
+            first_line[entry.id] = n
 
     def entries(self, skip=frozenset()) -> Iterator[Entry]:
         """Each request in file order, its Job built (tokenised) only when it is reached;

@@ -5,7 +5,9 @@ output at the end, so a run that fails (bad input, a full disk, an interrupted r
 what was there before untouched, and a reader never sees half a file. With resume, the
 complete lines already in the output are copied first and their ids skipped; a run with
 resume that is interrupted or fails while serving keeps what it finished, the same way, so
-that the next one continues from there.
+that the next one continues from there. A line that cannot be trusted to answer its request
+(not a complete result, an id that is not in the request file, an id on two lines) is not
+copied: its request is served again and the rewritten output goes without it.
 """
 from __future__ import annotations
 
@@ -42,6 +44,35 @@ def result_id(record) -> str | None:
     return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
+# What every complete line holds: a plain result (Done.record()) or an OpenAI batch record.
+PLAIN_RESULT = {"id", "text", "token_ids", "finish_reason", "prompt_tokens",
+                "completion_tokens"}
+BATCH_RESULT = {"id", "custom_id", "response", "error"}
+
+
+def complete_id(record) -> str | None:
+    """The request id of a complete result line of either format, None for anything else
+    (a line damaged into other JSON, a record missing its answer)."""
+    rid = result_id(record)
+    if rid is None:
+        return None
+    if "custom_id" in record:
+        response = record.get("response")
+        ok = BATCH_RESULT <= record.keys() and isinstance(response, dict) \
+            and isinstance(response.get("status_code"), int)
+    else:
+        ok = PLAIN_RESULT <= record.keys() and isinstance(record["token_ids"], list) \
+            and isinstance(record["text"], str)
+    return rid if ok else None
+
+
+def _parsed_id(raw: bytes) -> str | None:
+    try:
+        return complete_id(json.loads(raw))
+    except (ValueError, RecursionError):
+        return None
+
+
 class ResultsFile:
     """The output of a request file, written atomically. Made before the model is built (a
     path that cannot be written fails early; `ids`: the requests already in the output, with
@@ -58,6 +89,7 @@ class ResultsFile:
         self.resume = resume
         self.ids: set[str] = set()
         self.kept = self.dropped = self.written = 0
+        self.damaged: list[str] = []   # why each line of the output is not kept
         self.size = 0            # bytes of complete lines in the temporary file
         self.fd: int | None = None
         self.tmp: str | None = None
@@ -74,7 +106,7 @@ class ResultsFile:
         self._create()       # can the directory take it? (nothing is left behind)
         self.discard()
         if resume and self.mode is not None:
-            self._scan(copy=False)
+            self._scan()
 
     def _create(self) -> None:
         target = Path(self.path)
@@ -92,37 +124,79 @@ class ResultsFile:
         self._create()
         try:
             if self.resume and self.mode is not None:
-                self._scan(copy=True)
+                self._copy_kept()
         except BaseException:
             self.discard()
             raise
 
-    def _scan(self, copy: bool) -> None:
-        """Note the ids of the output's complete result lines (and copy them); a last line
-        without its newline (a run cut short by an older version) is dropped and served
-        again."""
-        self.ids, self.kept, self.dropped = set(), 0, 0
+    def _scan(self) -> None:
+        """Note the ids of the output's complete result lines. A last line without its
+        newline (a run cut short by an older version), a line that is not a complete result
+        and every line of an id found twice are not kept: their requests are served again.
+        An output with no result line at all is refused (not an output of a request file)."""
+        lines: dict[str, int] = {}
+        twice: set[str] = set()
+        self.damaged, self.dropped, first_bad = [], 0, None
         try:
             with _open(self.path, "rb") as f:
                 for n, raw in enumerate(f, 1):
                     if not raw.endswith(b"\n"):
                         self.dropped += 1
+                        self.damaged.append(f"line {n} is cut short")
                         break
                     if not raw.strip():
                         continue
-                    try:
-                        rid = result_id(json.loads(raw))
-                    except (ValueError, RecursionError):
-                        rid = None
+                    rid = _parsed_id(raw)
                     if rid is None:
-                        raise UserError(f"cannot resume: {self.shown} line {n} is not a "
-                                        "result line (a JSON object with an id)")
-                    self.ids.add(rid)
-                    if copy:
-                        self._put(raw)
-                    self.kept += 1
+                        first_bad = first_bad or n
+                        self.damaged.append(f"line {n} is not a complete result")
+                    elif rid in lines:
+                        twice.add(rid)
+                        self.damaged.append(f"line {n} repeats the id {rid!r} of line "
+                                            f"{lines[rid]}")
+                    else:
+                        lines[rid] = n
         except OSError as exc:
             raise UserError(f"cannot read {self.shown}: {exc.strerror or exc}") from None
+        if first_bad is not None and not lines:
+            raise UserError(f"cannot resume: {self.shown} line {first_bad} is not a result "
+                            "line (a JSON object with an id)")
+        self.ids = set(lines) - twice
+        self.kept = len(self.ids)
+
+    def match(self, found: set[str]) -> None:
+        """Keep only the results of requests in the request file (`found`: the ids of
+        ours it has); a line with any other id was damaged or belongs to another file."""
+        stray = sorted(self.ids - found)
+        self.damaged += [f"the id {rid!r} is not in the request file" for rid in stray]
+        self.ids -= set(stray)
+        self.kept = len(self.ids)
+
+    def describe_damage(self) -> str | None:
+        """One line on what the output held that is not kept, or None."""
+        if not self.damaged:
+            return None
+        shown = "; ".join(self.damaged[:3]) + ("; ..." if len(self.damaged) > 3 else "")
+        return (f"{self.shown}: {len(self.damaged)} earlier line(s) not kept ({shown}); their "
+                "requests are served again and the output is rewritten without them")
+
+    def _copy_kept(self) -> None:
+        """Copy the output's complete lines whose ids are kept, each once."""
+        copied: set[str] = set()
+        try:
+            with _open(self.path, "rb") as f:
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break
+                    rid = _parsed_id(raw) if raw.strip() else None
+                    if rid in self.ids and rid not in copied:
+                        copied.add(rid)
+                        self._put(raw)
+        except OSError as exc:
+            raise UserError(f"cannot read {self.shown}: {exc.strerror or exc}") from None
+        # The requests to serve were fixed by the scan: a kept line gone since would be lost.
+        if copied != self.ids:
+            raise UserError(f"{self.shown} changed while this run started; run it again")
 
     def _put(self, data: bytes) -> None:
         try:

@@ -159,6 +159,8 @@ class Runtime:
         self.env = make_env(Path(cfg.offload_dir).expanduser() if cfg.offload_dir
                             else default_offload_dir())
         self._tokenizer = tokenizer
+        # One request at a time through the model's buffers, whichever engine serves it.
+        self.compute_lock = cpu_threads.ComputeLock()
         try:
             t0 = time.perf_counter()
             # The thread that computes should be the only one owning a CPU team (cpu_threads).

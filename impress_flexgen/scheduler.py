@@ -18,11 +18,21 @@ by one token, with the weights of each layer used once for the whole batch
 or its on_token said stop (cancellation, deadline, stop string); the others go on
 undisturbed.
 
-Admission is bounded by the batch size, by a per-step token budget (decode tokens of the
-running requests plus the prompt tokens prefilled in that step; one request is always
-admitted into an empty step, so a long prompt is never starved) and by memory: the decode
-context a request may grow to (prompt plus new tokens, every layer's K and V) must fit the
-KV budget beside the running requests' own, or it waits.
+A scored prompt (prompt log-probabilities: echo with logprobs) is prefilled a piece at a
+time instead (engine.scoring), one piece per step after the step's pass; a piece stops
+between two layers when a request arrives (`arrived`, the owner's queue), so that request
+waits about one layer, not the whole prompt, and the piece goes on in the next step after
+that request's pass. The choices of one request (n) are one Work that shares that prefill,
+each then decoding on its own. A request that is done after its first token is answered
+right after its pass, before the step goes on.
+
+Admission is bounded by the batch size (a Work counts its choices), by a per-step token
+budget (decode tokens of the running requests plus the prompt tokens prefilled in that
+step, a scored prompt's piece among them; one request is always admitted into an empty
+step, so a long prompt is never starved) and by memory: the decode context a request may
+grow to (prompt plus new tokens, every layer's K and V, for each choice) and the logits it
+holds (one piece's rows of a scored prompt; every query row where all of them are kept)
+must fit the budget beside the running requests' own, or it waits.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from typing import Callable
 import torch
 
 from .engine.batch_prefill import start_together
+from .engine.scoring import PIECE_TOKENS
 from .errors import UserError
 
 log = logging.getLogger("impress_flexgen.scheduler")
@@ -47,12 +58,15 @@ class SchedulerConfig:
     kv_budget_bytes: int | None = None  # decode contexts of running requests (None: half
     #                                     the compute device's free memory at start)
     pass_tokens: int | None = None    # new tokens prefilled in one pass (None: max_batch_tokens)
+    score_piece_tokens: int = PIECE_TOKENS  # a scored prompt's tokens prefilled per step
 
     def __post_init__(self):
         if self.max_batch_size < 1:
             raise UserError("--max-batch-size must be at least 1")
         if self.max_batch_tokens < 1:
             raise UserError("--max-batch-tokens must be at least 1")
+        if self.score_piece_tokens < 1:
+            raise UserError("--score-piece-tokens must be at least 1")
 
 
 @dataclasses.dataclass
@@ -65,10 +79,23 @@ class Work:
     query_logits: bool = False
     seq: object = None                                   # its Sequence once prefilled
     kv_bytes: int = 0
+    # The other choices of a scored prompt (the same query): they share its prefill and
+    # its scores, then each decodes as a Work of its own.
+    choices: list = dataclasses.field(default_factory=list)
+    scoring: object = None        # its engine.scoring.ScoredPrefill while in pieces
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.request.prefix) + len(self.request.query)
+
+    @property
+    def width(self) -> int:
+        """Decode slots it takes: one per choice."""
+        return 1 + len(self.choices)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.request.prompt_logprobs is not None
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -91,7 +118,10 @@ class Scheduler:
         self.config = config
         self.waiting: collections.deque[Work] = collections.deque()
         self.running: list[Work] = []
+        self.scoring: list[Work] = []    # scored prompts being prefilled, oldest first
         m = engine.math
+        # float32 logits a query row holds while it is scored (or kept, with query_logits)
+        self.logits_bytes_per_row = 4 * engine.rt.spec.config.vocab_size
         elsize = torch.finfo(engine.dtype).bits // 8 if engine.device.type != "cpu" else 4
         self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv_head * m.head_dim * elsize
         self.kv_budget = config.kv_budget_bytes if config.kv_budget_bytes is not None \
@@ -102,45 +132,69 @@ class Scheduler:
         # throughput and P99 TTFT with shared and with distinct prefixes.
         self.pass_tokens = config.pass_tokens if config.pass_tokens is not None else \
             config.max_batch_tokens
+        # Whether a request arrived that waits for this thread (the owner's queue): a
+        # scored prompt's piece then stops between two layers, and the step ends.
+        self.arrived: Callable[[], bool] | None = None
         self.last_batch = 0            # requests in the last decode step
         self.steps = 0
 
     # -- queues ------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scoring)
+
+    def _slots(self) -> int:
+        """Decode slots taken or promised: running, being scored, admitted next."""
+        return len(self.running) + sum(w.width for w in self.scoring)
 
     def room(self) -> int:
         """How many more requests may wait to be admitted (keeps the caller's queue, not
         this one, holding the backlog)."""
-        return max(0, self.config.max_batch_size - len(self.running) - len(self.waiting))
+        return max(0, self.config.max_batch_size - self._slots() -
+                   sum(w.width for w in self.waiting))
 
     def add(self, work: Work) -> None:
-        work.kv_bytes = (work.prompt_tokens + work.request.max_new_tokens) * \
-            self.kv_bytes_per_token
+        context = (work.prompt_tokens + work.request.max_new_tokens) * self.kv_bytes_per_token
+        rows = 0
+        if work.scores_prompt:
+            rows = min(self.config.score_piece_tokens, len(work.request.query))
+        elif work.query_logits:
+            rows = len(work.request.query)
+        work.kv_bytes = context * work.width + rows * self.logits_bytes_per_row
         self.waiting.append(work)
 
     def kv_in_use(self) -> int:
-        return sum(w.kv_bytes for w in self.running)
+        return sum(w.kv_bytes for w in self.running) + sum(w.kv_bytes for w in self.scoring)
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit what fits (prefilled together in one pass), then one decode step for all
-        running requests."""
-        budget = self.config.max_batch_tokens - len(self.running)
+        """Admit what fits (prefilled together in one pass), one piece of the oldest scored
+        prompt, then one decode step for all running requests."""
+        budget = self.config.max_batch_tokens - len(self.running) - (
+            self.scoring[0].scoring.next_piece if self.scoring else 0)
         admitted: list[Work] = []
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
+        while self.waiting:
             work = self.waiting[0]
+            taken = self._slots() + sum(w.width for w in admitted)
+            others = bool(self.running or self.scoring or admitted)
+            if others and taken + work.width > self.config.max_batch_size:
+                break            # a lone request (or request of n choices) is still taken
             in_use = self.kv_in_use() + sum(w.kv_bytes for w in admitted)
-            if (self.running or admitted) and work.kv_bytes + in_use > self.kv_budget:
+            if others and work.kv_bytes + in_use > self.kv_budget:
                 break            # waits for memory; a lone request is served as before
-            if admitted and work.prompt_tokens > budget:
+            tokens = min(self.config.score_piece_tokens, work.prompt_tokens) \
+                if work.scores_prompt else work.prompt_tokens
+            if admitted and tokens > budget:
                 break            # the step's token budget is spent: the next step takes it
             self.waiting.popleft()
-            budget -= work.prompt_tokens
-            admitted.append(work)
+            budget -= tokens
+            if work.scores_prompt:
+                self._open_scoring(work)
+            else:
+                admitted.append(work)
         if admitted:
             self._prefill(admitted)
+        self._score_piece()
         batch = [w for w in self.running if not w.seq.done]
         if batch:
             self.last_batch = len(batch)
@@ -166,6 +220,52 @@ class Scheduler:
                 continue
             work.seq = seq
             self.running.append(work)
+        # Done at its first token: answered now, not after the rest of the step.
+        for work in works:
+            if work.seq is not None and work.seq.done:
+                self._finish(work)
+
+    def _open_scoring(self, work: Work) -> None:
+        """Start a scored prompt's prefill (its first piece runs in this step)."""
+        try:
+            work.scoring = self.engine.open_scoring(
+                [work.request] + [c.request for c in work.choices],
+                self.config.score_piece_tokens)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            for w in [work, *work.choices]:
+                w.on_done(None, exc)
+            return
+        self.scoring.append(work)
+
+    def _score_piece(self) -> None:
+        """One piece of the oldest scored prompt; after its last, its choices run."""
+        if not self.scoring:
+            return
+        work = self.scoring[0]
+        try:
+            if not work.scoring.advance(self._pause):
+                return
+            seqs = work.scoring.sequences()
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            log.info("scoring a prompt failed: %s", exc)
+            self.scoring.pop(0)
+            work.scoring.close()
+            for w in [work, *work.choices]:
+                w.on_done(None, exc)
+            return
+        self.scoring.pop(0)
+        works = [work, *work.choices]
+        each = (work.prompt_tokens + work.request.max_new_tokens) * self.kv_bytes_per_token
+        for w, seq in zip(works, seqs):
+            w.seq, w.kv_bytes, w.scoring = seq, each, None
+            self.running.append(w)
+        for w in works:
+            if w.seq.done:
+                self._finish(w)
+
+    def _pause(self) -> bool:
+        """Stop a piece between layers: a request arrived, and there is room to take it."""
+        return self.arrived is not None and self.room() > 0 and self.arrived()
 
     def _finish(self, work: Work) -> None:
         try:

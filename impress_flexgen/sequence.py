@@ -81,7 +81,7 @@ class Sequence:
     sampler: Sampler
     stats: object                    # engine.RequestStats
     tokens: list[int]
-    step_logits: list[torch.Tensor]
+    step_logits: list[torch.Tensor]  # copies of whole rows, only when the request keeps them
     query_logits: torch.Tensor | None
     position: int                    # position of the next token fed
     kv: list[LayerKV] | None = None  # per layer (None: nothing to decode)
@@ -92,6 +92,10 @@ class Sequence:
     decode_s: float = 0.0
     stored: object | None = None     # its new prefix KV being stored (a Future), if any
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    # Per generated token (token, log-probability, top k) when the request asks for them,
+    # and the scores of a scored prompt: plain numbers, never a view of a step's logits.
+    logprobs: list | None = None
+    prompt_scores: object = None
 
     def next_input(self) -> int:
         """The token this step feeds: the last generated, or the forced one."""
@@ -99,9 +103,12 @@ class Sequence:
         return self.tokens[-1] if forced is None else forced[self.steps]
 
     def accept(self, logits: torch.Tensor) -> int:
-        """Take a step's (vocab,) logits: pick, record, and decide whether to go on."""
+        """Take a step's (vocab,) logits: pick, record, and decide whether to go on. The
+        row is a view of the whole step's (batch, vocab) logits: kept only as a copy, and
+        only when asked for, so that no step's logits outlive the step."""
         req = self.request
-        self.step_logits.append(logits)
+        if req.keep_logits:
+            self.step_logits.append(logits.clone())
         token = self.sampler.pick(logits)
         self.tokens.append(token)
         self.steps += 1

@@ -29,8 +29,8 @@ from typing import Callable
 
 from .config import ServiceConfig
 from .errors import ServiceError, UserError
-from .frontend import Completion, Frontend, Job, TextStream, token_logprobs
-from .metrics import ServiceMetrics
+from .frontend import Completion, Frontend, Job, TextStream
+from .metrics import Drain, ServiceMetrics
 
 log = logging.getLogger("impress_flexgen.service")
 
@@ -86,9 +86,13 @@ class Service:
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
+        pieces = {} if config.score_piece_tokens is None else \
+            {"score_piece_tokens": config.score_piece_tokens}
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
-            config.max_batch_size, config.max_batch_tokens))
+            config.max_batch_size, config.max_batch_tokens, **pieces))
+        self.scheduler.arrived = lambda: not self._queue.empty()
         self.metrics = ServiceMetrics(self._queue, self.scheduler, self.engine, self.store)
+        self.drain = Drain()       # how fast requests leave: a 429's Retry-After
         # The scheduler's thread runs while there is work and ends when idle: an idle
         # service keeps no CPU team that would slow another's products (cpu_threads).
         self._worker: threading.Thread | None = None
@@ -113,15 +117,18 @@ class Service:
         if runtime is None:
             rcfg = config.runtime_config()
             spec = resolve_spec(rcfg)
-            root = config.store.root_for(model_shape(spec, run.chunk_size))
+            shape = model_shape(spec, run.chunk_size, run.kv_format)
+            root = config.store.root_for(shape)
             claim_store_root(root)
             runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
         else:
-            root = config.store.root_for(model_shape(runtime.spec, run.chunk_size))
+            shape = model_shape(runtime.spec, run.chunk_size, run.kv_format)
+            root = config.store.root_for(shape)
             claim_store_root(root)
         self.rt = runtime
         self.policy = make_serving_policy(run.policy, run.serving(), run.tier_policy)
-        self.store_dir = root / _store_name(run.policy, run) if self.policy.reuse else None
+        self.store_dir = root / _store_name(run.policy, run, shape.kv_format) \
+            if self.policy.reuse else None
         store_spec = None if self.store_dir is None else StoreSpec(
             self.store_dir, **config.store.open_options(), **run.store_options())
         stack = assemble(runtime, self.policy, store_spec, config.tiers)
@@ -174,24 +181,44 @@ class Service:
     def submit(self, job: Job, listener: Callable[[str], None] | None = None) -> Ticket:
         """Queue a job; `listener` gets the text as it is generated (on the worker thread).
         ServiceError 429 when the queue is full, 503 once closing."""
-        ticket = Ticket(job, self.config.timeout_s, listener)
+        return self.submit_choices([job], [listener])[0]
+
+    def submit_choices(self, jobs: list[Job], listeners=None) -> list[Ticket]:
+        """Queue the choices of one request (n) as one entry: all of them or none (429).
+        Choices that score one prompt share its prefill and its scores."""
+        listeners = listeners or [None] * len(jobs)
+        tickets = [Ticket(job, self.config.timeout_s, listener)
+                   for job, listener in zip(jobs, listeners)]
         with self._lock:
             if self._closing:
                 raise ServiceError(503, "the server is shutting down", kind="server_error",
                                    code="shutting_down")
             try:
-                self._queue.put_nowait(ticket)
+                self._queue.put_nowait(tickets)
             except queue.Full:
                 self.count("rejected")
-                raise ServiceError(429, f"server busy: {self._queue.qsize()} requests "
-                                        "queued; retry later", kind="rate_limit_error",
-                                   code="rate_limit_exceeded") from None
+                queued = self._queue.qsize()
+                wait_s = self.drain.retry_after_s(queued)
+                raise ServiceError(429, f"server busy: {queued} requests queued; retry in "
+                                        f"{wait_s} s", kind="rate_limit_error",
+                                   code="rate_limit_exceeded", retry_after_s=wait_s) from None
+            # One request leaves the queue's backlog when its last choice is answered.
+            left = [len(tickets)]
+
+            def one_done(_):
+                left[0] -= 1
+                if left[0] == 0:
+                    self.drain.left()
+
+            for ticket in tickets:
+                ticket.future.add_done_callback(one_done)
             self._start_worker()
-        return ticket
+        return tickets
 
     def _start_worker(self) -> None:
         """Start the scheduler's thread unless it runs (with self._lock held)."""
         if self._worker is None or not self._worker.is_alive():
+            self.drain.busy()
             self._worker = threading.Thread(target=self._work, name="engine-worker",
                                             daemon=True)
             self._worker.start()
@@ -215,21 +242,21 @@ class Service:
                     if not sched.busy:          # idle: its burst, or end until submit()
                         with self._lock:
                             try:
-                                ticket = self._queue.get_nowait()
+                                tickets = self._queue.get_nowait()
                             except queue.Empty:
                                 self._worker = None
                                 return
                         gathering = gather_s > 0
                     elif gathering:
-                        ticket = self._queue.get(timeout=gather_s)
+                        tickets = self._queue.get(timeout=gather_s)
                     else:
-                        ticket = self._queue.get_nowait()
+                        tickets = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if ticket is None:
+                if tickets is None:
                     closing = True     # after every queued request: serve them, then stop
                     break
-                self._admit(ticket)
+                self._admit(tickets)
             if not sched.busy:
                 if closing:
                     return
@@ -239,15 +266,25 @@ class Service:
             if sched.steps != batch_before:
                 self.metrics.batch(sched.last_batch)
 
-    def _admit(self, ticket: Ticket) -> None:
-        """Hand a ticket to the scheduler (or fail it now: cancelled, expired)."""
+    def _admit(self, tickets: list[Ticket]) -> None:
+        """Hand a request's choices to the scheduler (or fail them now: cancelled, expired):
+        one Work per choice, or one for all the choices of a scored prompt."""
+        works = [w for w in map(self._work_of, tickets) if w is not None]
+        if len(works) > 1 and works[0].scores_prompt:
+            works[0].choices = works[1:]
+            works = works[:1]
+        for work in works:
+            self.scheduler.add(work)
+
+    def _work_of(self, ticket: Ticket):
+        """A ticket's scheduler Work, or None when it failed already."""
         from .scheduler import Work
 
         try:
             request, ended = self._request(ticket)
         except ServiceError as exc:
             ticket.future.set_exception(exc)
-            return
+            return None
         started = time.monotonic()
 
         def on_done(resp, error) -> None:
@@ -265,7 +302,7 @@ class Service:
                 self.count("error")
                 ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
 
-        self.scheduler.add(Work(request, on_done, query_logits=ticket.job.prompt_logprobs))
+        return Work(request, on_done)
 
     def _request(self, ticket: Ticket):
         """The engine request of a ticket, with its streaming, stop strings, cancellation
@@ -304,7 +341,9 @@ class Service:
         # max_tokens 0 (echo: the prompt's log-probabilities only) still computes one token,
         # dropped from the completion.
         return Request(prefix, query, max(1, job.max_tokens), sampling=job.sampling,
-                       on_token=on_token, namespace=job.namespace), ended
+                       on_token=on_token, namespace=job.namespace, logprobs=job.logprobs,
+                       prompt_logprobs=(job.logprobs or 0) if job.prompt_logprobs else None
+                       ), ended
 
     def _complete(self, ticket: Ticket, resp, ended: dict, started: float) -> Completion:
         job = ticket.job
@@ -340,10 +379,10 @@ class Service:
         completion = Completion(job.id or f"cmpl-{uuid.uuid4().hex[:24]}", text, tokens,
                                 reason, len(job.ids), stats)
         if job.logprobs is not None:
-            completion.logprobs = token_logprobs(resp.step_logits, tokens, job.logprobs)
-        if job.prompt_logprobs:
-            completion.prompt_logprobs = [None] + token_logprobs(
-                resp.query_logits[:-1], job.ids[1:], job.logprobs or 0)
+            completion.logprobs = resp.logprobs[:len(tokens)]
+        # The prompt's scores as the engine made them (shared by the choices): the caller
+        # turns them into text, off this thread.
+        completion.prompt_scores = resp.prompt_scores
         return completion
 
     # -- closing ------------------------------------------------------------------------------

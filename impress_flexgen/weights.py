@@ -128,12 +128,24 @@ def install() -> None:
 # ---------------------------------------------------------------------------------------
 # Conversion of real checkpoints, done once and cached.
 
-def _fingerprint(paths: list[Path], extra: str) -> str:
-    h = hashlib.sha256(extra.encode())
+def file_identity(st: os.stat_result) -> list[int]:
+    """What tells that a file is unchanged without reading it: size and mtime can be put
+    back after an edit, but a write in place also moves the ctime (which cannot be set
+    back) and a replacement brings another inode."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _conversion_key(paths: list[Path], extra: str) -> str:
+    """The name of a conversion's directory: which files, converted how. What the files
+    hold is checked against their identities kept in it (_source_identities)."""
+    h = hashlib.sha256(f"impress_flexgen-conversion-v2:{extra}".encode())
     for p in sorted(paths):
-        st = p.stat()
-        h.update(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode())
+        h.update(f"{p.resolve()}\0".encode())
     return h.hexdigest()[:16]
+
+
+def _source_identities(paths: list[Path]) -> dict[str, list[int]]:
+    return {str(p.resolve()): file_identity(p.stat()) for p in sorted(paths)}
 
 
 def save_tensor(out_dir: Path, name: str, array: np.ndarray) -> None:
@@ -146,7 +158,7 @@ def save_tensor(out_dir: Path, name: str, array: np.ndarray) -> None:
 
 
 CONVERTED = "CONVERTED.json"
-DIGEST = "DIGEST.json"          # the content digest, keyed by the files' sizes and mtimes
+DIGEST = "DIGEST.json"          # the content digest, keyed by the files' identities
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -189,11 +201,12 @@ def _hash_files(entries) -> str:
 
 def content_digest(directory: Path) -> str:
     """SHA-256 over the names and contents of a converted directory's weight files. Hashed
-    once, then cached beside them (DIGEST.json) keyed by every file's size and mtime: a file
-    changed in place is hashed again, and so becomes another model identity."""
+    once, then cached beside them (DIGEST.json) keyed by every file's identity: a file
+    changed in place (its mtime put back or not) is hashed again, and so becomes another
+    model identity."""
     directory = Path(directory)
     entries = _weight_files(directory)
-    key = {e.name: [e.stat().st_size, e.stat().st_mtime_ns] for e in entries}
+    key = {e.name: file_identity(e.stat(follow_symlinks=False)) for e in entries}
     try:
         cached = json.loads((directory / DIGEST).read_text())
         if cached.get("files") == key and _HEX64.fullmatch(str(cached.get("digest"))):
@@ -213,16 +226,18 @@ def content_digest(directory: Path) -> str:
     return digest
 
 
-def _conversion_problem(final: Path) -> str | None:
-    """Why a finished conversion cannot be used (files missing, cut short or changed since
-    it was made), or None."""
+def _conversion_problem(final: Path, sources: list[Path]) -> str | None:
+    """Why a finished conversion cannot be used (its checkpoint changed, its files missing,
+    cut short or changed since it was made), or None."""
     try:
         done = json.loads((final / CONVERTED).read_text())
     except (OSError, ValueError) as exc:
         return f"{CONVERTED} unreadable ({exc.__class__.__name__})"
-    sizes = done.get("sizes") if isinstance(done, dict) else None
+    if not isinstance(done, dict) or done.get("source_files") != _source_identities(sources):
+        return "the checkpoint's files changed since the conversion"
+    sizes = done.get("sizes")
     if not isinstance(sizes, dict):
-        return None              # made before conversions recorded their files
+        return f"{CONVERTED} lists no files"
     have = {e.name: e.stat().st_size for e in _weight_files(final)}
     if have != sizes:
         return "its files are not those the conversion wrote"
@@ -237,13 +252,13 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
     """Return the cached conversion of `sources`, running `convert(tmp_dir)` if absent.
 
     The conversion is written to a temporary directory, fsynced and renamed into place, so
-    an interrupted conversion is never mistaken for a finished one; one whose files were
-    damaged or changed afterwards is converted again.
+    an interrupted conversion is never mistaken for a finished one; one whose sources or
+    files were damaged or changed afterwards is converted again, in its place.
     """
-    key = _fingerprint(sources, f"{label}:{np.dtype(dtype).name}")
+    key = _conversion_key(sources, f"{label}:{np.dtype(dtype).name}")
     final = cache_root / f"{label}-{np.dtype(dtype).name}-{key}"
     if (final / CONVERTED).exists():
-        problem = _conversion_problem(final)
+        problem = _conversion_problem(final, sources)
         if problem is None:
             return final
         log.warning("converted weights in %s cannot be used (%s): converting again", final,
@@ -256,10 +271,14 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
         raise UserError(f"cannot convert weights into {cache_root}: "
                         f"{exc.strerror or exc}") from None
     try:
+        # The sources as they were before reading them: one changed meanwhile is seen next
+        # time (and converted again) rather than taken for what was read.
+        before = _source_identities(sources)
         convert(tmp)
-        digest = content_digest(tmp)      # cached in tmp: the rename keeps the mtimes
+        digest = content_digest(tmp)      # cached in tmp: the rename keeps the identities
         with open(tmp / CONVERTED, "w") as f:
             json.dump({"sources": [str(s) for s in sources], "dtype": np.dtype(dtype).name,
+                       "source_files": before,
                        "sizes": {e.name: e.stat().st_size for e in _weight_files(tmp)},
                        "digest": digest}, f)
         fsync_tree(tmp)

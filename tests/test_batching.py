@@ -57,7 +57,7 @@ def requests(stop_token: int | None):
             sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
         after = {1: 2, 6: 3}.get(i)        # 1 cancelled, 6 past its deadline
         out.append(Request(prefix, query, NEW + i % 3, sampling=sampling,
-                           on_token=Stopper(after)))
+                           on_token=Stopper(after), keep_logits=True))
     return stem, out
 
 
@@ -167,7 +167,7 @@ def test_admission_waits_for_memory_and_batch_size(tiny_runtimes, tmp_path):
 def test_a_failing_request_leaves_the_others(tiny_runtimes):
     rt = tiny_runtimes["llama-tiny"]
     engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
-    good = Request([11, 12, 13], [14], 4)
+    good = Request([11, 12, 13], [14], 4, keep_logits=True)
     bad = Request([11, 12], [], 4)                   # no query: refused
     out = serve_all(engine, [good, bad, good])
     assert isinstance(out[1], Exception)
@@ -219,7 +219,8 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
     brought once for all of them, and every answer equals the same request alone."""
     rt = tiny_runtimes["llama-tiny"]
     engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
-    reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1) for n in (5, 19, 33)]
+    reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1, keep_logits=True)
+            for n in (5, 19, 33)]
     alone = [engine.serve(r) for r in reqs]
     loads = []
     real = engine.layers.weights

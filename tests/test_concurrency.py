@@ -320,10 +320,13 @@ def engine_workload(seed: int):
     cut = [4 * c, 4 * c, 6 * c]          # inside each base's last node once all are stored
     requests = []
     for base, at in zip(bases, cut):
-        requests += [Request(base, ids(int(rng.integers(8, 17))), 4),
-                     Request(base, ids(int(rng.integers(8, 17))), 4, n_pad=4),
-                     Request(base + ids(c + 7), ids(int(rng.integers(8, 17))), 4),
-                     Request(base[:at] + ids(2 * c + 3), ids(int(rng.integers(8, 17))), 4)]
+        requests += [Request(base, ids(int(rng.integers(8, 17))), 4, keep_logits=True),
+                     Request(base, ids(int(rng.integers(8, 17))), 4, n_pad=4,
+                             keep_logits=True),
+                     Request(base + ids(c + 7), ids(int(rng.integers(8, 17))), 4,
+                             keep_logits=True),
+                     Request(base[:at] + ids(2 * c + 3), ids(int(rng.integers(8, 17))), 4,
+                             keep_logits=True)]
     return bases, requests
 
 

@@ -27,8 +27,8 @@ def _serve_twice(rt, policy_name, prefix, query, store_dir, new_tokens=5, retent
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
         engine = Engine(rt, store, policy, TierSizes(64 << 10, 256 << 10))
-        cold = engine.serve(Request(prefix, query, new_tokens))
-        warm = engine.serve(Request(prefix, query, new_tokens))
+        cold = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
+        warm = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         return cold, warm, store
     finally:
         store.close()
@@ -216,14 +216,14 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
         engine = Engine(rt, store, pol, TierSizes())
         padded = [0] * n_pad + real
         for _ in range(2):      # cold, then warm (pads and text both from the store)
-            resp = engine.serve(Request(padded, query, 4, n_pad=n_pad))
+            resp = engine.serve(Request(padded, query, 4, n_pad=n_pad, keep_logits=True))
             if policy == "full":
                 assert resp.tokens == ref.new_ids[0]
                 diff = (torch.stack(resp.step_logits) - ref.logits[0]).abs().max()
                 assert diff < 1e-2, diff
             assert torch.isfinite(torch.stack(resp.step_logits)).all()
-        # Attended bytes never include pads: at most the real tokens' KV.
-        per_token = 2 * rt.spec.config.n_kv_head * rt.spec.config.head_dim * 2
+        # Attended bytes never include pads: at most the real tokens' KV (as stored).
+        per_token = store.shape.kv_bytes_per_token_layer
         assert resp.stats.bytes_needed <= len(real) * per_token * rt.spec.config.num_hidden_layers
     finally:
         store.close()

@@ -91,3 +91,20 @@ def test_the_timer_adds_the_block_less_the_excluded_stats(monkeypatch):
         with stats.timer("compute_s"):
             raise ValueError
     assert stats.compute_s == 1.0
+
+
+def test_engines_on_one_runtime_take_turns_through_its_model(tiny_runtimes):
+    """FlexGen's weight buffers are the model's: a prefill on one engine (a planner's
+    background recalibration) waits while another engine of the same runtime serves."""
+    import threading
+
+    rt = tiny_runtimes["opt-tiny"]
+    first = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    second = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    done = threading.Event()
+    with second._serving:                                  # a request under way there
+        thread = threading.Thread(target=lambda: (first.measure_prefill(8), done.set()))
+        thread.start()
+        assert not done.wait(0.3)                          # the recalibration waits its turn
+    thread.join(10)
+    assert done.is_set()

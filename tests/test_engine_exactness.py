@@ -45,7 +45,7 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
         assert r2.stats.matched_tokens == 64 and not r2.stats.exact
         assert [n.exact for n in store.tree.path_to(
             store.tree.match_prefix(p + q).nodes[-1])] == [True, False]
-        r3 = dense.serve(Request(p + q, query, 3))
+        r3 = dense.serve(Request(p + q, query, 3, keep_logits=True))
         assert r3.stats.matched_tokens == 64 and r3.stats.exact       # stopped before it
         assert store.metrics.superseded == 1                          # and replaced it
         assert all(n.exact for n in store.tree.nodes.values())
@@ -57,7 +57,7 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
     try:
         engine = Engine(rt, clean, full, TierSizes())
         engine.serve(Request(p, query, 1))
-        ref = engine.serve(Request(p + q, query, 3))
+        ref = engine.serve(Request(p + q, query, 3, keep_logits=True))
     finally:
         clean.close()
     assert r3.tokens == ref.tokens

@@ -47,12 +47,12 @@ def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
     try:
         engine = Engine(rt, store, policy, TierSizes(0, 1 << 20, verify_hits=True))
         engine.serve(Request(prefix, query, 3))
-        clean = engine.serve(Request(prefix, query, 3))        # from disk, now in the tier
+        clean = engine.serve(Request(prefix, query, 3, keep_logits=True))  # disk, now tier
         cache = store.tiers.cache
         keys = sorted(cache.resident_keys("cpu"))
         assert keys
         cache.tiers[cache.tier_names.index("cpu")].chunks[keys[0]].tensor.view(torch.uint8).view(-1)[5] ^= 0x40
-        again = engine.serve(Request(prefix, query, 3))
+        again = engine.serve(Request(prefix, query, 3, keep_logits=True))
         assert cache.metrics["corrupt_copies"] == 1
         assert again.tokens == clean.tokens
         assert torch.equal(again.step_logits[0], clean.step_logits[0])

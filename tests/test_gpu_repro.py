@@ -188,3 +188,44 @@ def test_full_run_without_gpu_exits_2(tmp_path, capsys):
     assert gpu_repro.main(["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
+
+
+# -- the budget, the pool cap and the placement -------------------------------------------
+def test_a_pool_over_the_cap_serves_fewer_prefixes_of_the_same_length():
+    from impress_flexgen.workload import WorkloadConfig
+
+    wcfg = WorkloadConfig(n_prefixes=2, prefix_tokens=5120)
+    kv30 = 2 * 48 * 7168 * 2                       # OPT-30B: 1.31 MiB of fp16 KV per token
+    assert gpu_repro.model_workload(wcfg, kv30, None) is wcfg
+    capped = gpu_repro.model_workload(wcfg, kv30, 8.0)
+    assert (capped.n_prefixes, capped.prefix_tokens) == (1, 5120)
+    assert gpu_repro.model_workload(wcfg, 2 * 40 * 5120 * 2, 8.0) is wcfg   # OPT-13B: 7.8 GiB
+    assert gpu_repro.model_workload(wcfg, kv30, 0.001).n_prefixes == 1      # never none
+
+
+def test_a_rows_estimate_scales_by_the_larger_of_its_bytes_and_its_compute():
+    budget = gpu_repro.Budget(100.0)
+    assert budget.estimate("x", (1, 1)) == 0.0 and budget.fits("x", (10**9, 10**9))
+    budget.record("x", 10.0, (100, 1000))
+    assert budget.estimate("x", (200, 1000)) == 20.0      # I/O bound: twice the KV
+    assert budget.estimate("x", (150, 3000)) == 30.0      # compute bound: 3x weights x tokens
+    assert not budget.fits("x", (1000, 1000))
+
+
+def test_weights_that_do_not_fit_beside_the_reserve_go_partly_to_cpu_memory(monkeypatch):
+    spec = gpu_repro.resolve("opt-30b", None, 0, np.float16)    # CUDA's default dtype
+    weights = gpu_repro.weight_bytes(spec)
+    assert 55 < weights / 2**30 < 57
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for free_gib, want in ((80, "gpu"), (40, "split"), (4, "cpu")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info",
+                            lambda f=free_gib: (f * 2**30, 80 * 2**30))
+        placement, why = gpu_repro.choose_placement(spec, 8 * 2**30)
+        p = placement
+        if want == "gpu":
+            assert p.w_gpu == 100 and why.startswith("gpu"), why
+            continue
+        room = 0.9 * free_gib * 2**30 - 8 * 2**30
+        assert p.w_gpu == max(0, int(100 * room / weights)), why
+        assert p.w_gpu + p.w_cpu == 100 and p.cache_gpu == 100
+        assert "on the GPU, the rest in CPU memory" in why

@@ -102,7 +102,8 @@ def test_new_tokens_are_inserted_into_the_index():
 def _serve(rt, name, prefix, query, new_tokens, budget=256, forced=None, **decode):
     cfg = ServingConfig(retention=1.0, decode_budget=budget)
     policy = make_policy(name, cfg, decode=DecodeConfig(dense_layers=0, **decode))
-    return Engine(rt, None, policy).serve(Request(prefix, query, new_tokens, forced=forced))
+    return Engine(rt, None, policy).serve(Request(prefix, query, new_tokens, forced=forced,
+                                                  keep_logits=True))
 
 
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])

@@ -12,7 +12,8 @@ import torch
 from impress_flexgen import defaults
 from impress_flexgen.engine import Engine, Request
 from impress_flexgen.sampling import Sampler, SamplingParams
-from impress_flexgen.serve import background_server, parse_args
+from impress_flexgen.serve import background_server, parse_args, server_options
+from impress_flexgen.serve_guard import ServerOptions
 from impress_flexgen.config import ServiceConfig
 from impress_flexgen.service import Service
 from policies import make_policy
@@ -131,7 +132,12 @@ def test_unknown_and_unsupported_fields_are_400_naming_the_field(server, fields,
 
 
 def test_cached_tokens_and_include_usage(server):
-    url, _ = server
+    _, service = server
+    with background_server(service, options=ServerOptions(prompt_tokens_details=True)) as url:
+        _cached_tokens_and_include_usage(url)
+
+
+def _cached_tokens_and_include_usage(url):
     api = _api(url)
     messages = [{"role": "system", "content": TEXT}, {"role": "user", "content": "Why?"}]
     api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
@@ -163,17 +169,65 @@ def test_routes_models_tokenize_detokenize_version_retry_after(server):
     assert httpx2.post(url + "/tokenize", json={"prompt": 3}).status_code == 400
     from impress_flexgen.errors import ServiceError
 
-    submit = service.submit
+    submit = service.submit_choices
 
     def full(*a, **kw):
         raise ServiceError(429, "server busy", kind="rate_limit_error")
 
-    service.submit = full
+    service.submit_choices = full
     try:
         r = httpx2.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     finally:
-        service.submit = submit
+        service.submit_choices = submit
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
+
+
+def test_retry_after_is_the_time_the_queue_takes_to_drain_at_the_measured_rate(server):
+    """A full queue's 429 says when its requests will have left at the rate requests left
+    lately: 8 queued, 4 left in the 8 s the worker has been busy: 16 s (not 1 s)."""
+    import threading
+
+    from impress_flexgen.metrics import MAX_RETRY_AFTER_S, Drain
+
+    url, service = server
+    now = [1000.0]
+    measured = Drain(clock=lambda: now[0])
+    release, stepping = threading.Event(), threading.Event()
+    step = service.scheduler.step
+
+    def held_step():            # the worker holds its batch: nothing leaves meanwhile
+        stepping.set()
+        release.wait(30)
+        return step()
+
+    drain, service.drain = service.drain, measured
+    service.scheduler.step = held_step
+    tickets = []
+    try:
+        tickets.append(service.submit(service.frontend.build(prompt="Hi", max_tokens=1)))
+        assert stepping.wait(30)
+        tickets += [service.submit(service.frontend.build(prompt="Hi", max_tokens=1))
+                    for _ in range(service.config.queue_size)]
+        measured.busy()                     # at 1000 s
+        for t in (1001.0, 1002.0, 1003.0, 1004.0):
+            now[0] = t
+            measured.left()
+        now[0] = 1008.0
+        r = httpx2.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        now[0] = 1009.0
+        measured.busy()                     # a fresh start: nothing measured yet, 0 s busy
+        first = measured.retry_after_s(8)
+        now[0] = 1100.0                     # busy 91 s, nothing left: at most 1 per 30 s
+        stalled = measured.retry_after_s(8)
+    finally:
+        service.scheduler.step = step
+        release.set()
+        for t in tickets:
+            t.future.result(60)
+        service.drain = drain
+    assert r.status_code == 429 and r.headers["retry-after"] == "16"
+    assert "16 s" in r.json()["error"]["message"]
+    assert first == 1 and stalled == MAX_RETRY_AFTER_S
 
 
 def test_exact_by_default_stored_prefix_changes_no_greedy_output(runtime, tmp_path):
@@ -185,7 +239,9 @@ def test_exact_by_default_stored_prefix_changes_no_greedy_output(runtime, tmp_pa
                            store_root=tmp_path, queue_size=4)
     messages = [{"role": "system", "content": TEXT + " " + TEXT},
                 {"role": "user", "content": "Tell me more."}]
-    with Service(config, runtime=runtime) as service, background_server(service) as url:
+    options = server_options(parse_args(["--enable-prompt-tokens-details"]))
+    with Service(config, runtime=runtime) as service, \
+            background_server(service, options=options) as url:
         api = _api(url)
         before = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                              temperature=0)

@@ -45,7 +45,7 @@ def test_recompute_and_both_match_generation(tiny_runtimes, tmp_path, model, pol
         for mode, split in (("load", 0), ("recompute", 8), ("both", 3), ("both", 7)):
             engine.config = dataclasses.replace(engine.config, plan=mode)
             engine.planner = _Fixed(mode, split)
-            results[(mode, split)] = engine.serve(Request(prefix, query, 4))
+            results[(mode, split)] = engine.serve(Request(prefix, query, 4, keep_logits=True))
         for (mode, split), resp in results.items():
             assert resp.stats.matched_tokens == 128
             assert resp.stats.plan == mode and resp.stats.plan_split == split

@@ -19,6 +19,9 @@ from tests.test_pool_integrity import _Store
 from tests.test_shared_pool import PREFIX, QUERY, _engine, _local_kv, _reference
 
 
+SECRET = "pool-secret"
+
+
 @pytest.fixture(scope="module")
 def server():
     with RedisServer(require_redis_server()) as srv:
@@ -41,7 +44,7 @@ def test_prefix_stored_before_the_pool_is_published_on_first_use(tiny_runtimes, 
     prefix, query = PREFIX[:96], QUERY
     _store_without_pool(rt, tmp_path / "w", prefix, query)
     # The same store, now with the pool: the request loads the whole prefix from disk.
-    engine, store = _engine(rt, tmp_path / "w", server.url)
+    engine, store = _engine(rt, tmp_path / "w", server.url, SECRET)
     try:
         resp = engine.serve(Request(prefix, query, 3))
         assert resp.stats.matched_tokens == 96 and resp.tokens == _reference(rt, prefix, query)
@@ -57,8 +60,9 @@ def test_prefix_stored_before_the_pool_is_published_on_first_use(tiny_runtimes, 
     finally:
         engine.close()
         store.close()
-    # A process with an empty store takes every chunk from the pool: the stored bytes.
-    reader, rstore = _engine(rt, tmp_path / "r", server.url, budget=False)
+    # A process with an empty store takes every chunk from the pool: the stored bytes (kept
+    # locally: the pool's servers share a secret).
+    reader, rstore = _engine(rt, tmp_path / "r", server.url, SECRET, budget=False)
     check, cstore = _engine(rt, tmp_path / "w", None)
     try:
         resp = reader.serve(Request(prefix, query, 3))

@@ -242,6 +242,25 @@ def test_probe_copy_int4_is_close_and_small():
     assert len(encode_probe(keys, "int4")) * 3.2 == len(encode_probe(keys, "fp16"))
 
 
+def test_probe_int4_constant_groups_round_trip_without_dividing_by_zero():
+    """A group of equal values has a zero range: its codes are all zero and decode gives
+    the constant back exactly, with no 0/0 on the way (numpy errors are raised here)."""
+    keys = torch.randn(3, 64, 64)
+    keys[0] = 0.0                                 # constant groups of zeros
+    keys[1, :32] = 0.7                            # constant non-zero groups
+    keys[2, 0, :INT4_GROUP] = 1.0                 # one constant group among varied ones
+    keys[2, 1, :INT4_GROUP] = 1.0 + torch.arange(INT4_GROUP) * 1e-7  # range below fp16's step
+    with np.errstate(all="raise"):
+        raw = encode_probe(keys, "int4")
+    back = decode_probe(raw, "int4", (3, 64, 64))
+    assert not back.isnan().any()
+    exact = keys.half().float()
+    assert torch.equal(back[0], exact[0])
+    assert torch.equal(back[1, :32], exact[1, :32])
+    assert torch.equal(back[2, 0, :INT4_GROUP], exact[2, 0, :INT4_GROUP])
+    assert (back[2, 1, :INT4_GROUP] - keys[2, 1, :INT4_GROUP]).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["int4", "fp16"])
 def test_probe_decode_from_a_read_buffer_equals_the_plain_formula(fmt):
     """The store decodes straight from the reader's uint8 buffer (a slice of a longer,

@@ -87,6 +87,12 @@ def test_without_output_the_answers_are_printed(tmp_path, capsys):
     (['{"prompt": "x"}', '{"custom_id": "a"}'], "line 2: a batch line (custom_id) in a file"),
     (['{"custom_id": 5, "body": {}}'], "line 1: custom_id must be a non-empty string"),
     (['{"prompt": "x"}', '[' * 100000], "line 2: JSON nested too deeply"),
+    (['{"id": "a", "prompt": "x"}', '{"prompt": "y"}', '{"id": "a", "prompt": "z"}'],
+     "line 3: id 'a' is also the id of line 1"),
+    (['{"id": 2, "prompt": "x"}', '{"prompt": "y"}'],
+     "line 2: id '2' (its number among the requests"),
+    (['{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}'] * 2,
+     "line 2: id 'a' is also the id of line 1"),
 ])
 def test_a_bad_request_file_is_refused_before_serving(tmp_path, capsys, lines, message):
     requests = tmp_path / "in.jsonl"

@@ -196,6 +196,61 @@ def test_resume_serves_only_the_requests_not_in_the_output(tmp_path, capsys):
     assert rc == 0 and "nothing to serve" in printed and out.read_bytes() == before
 
 
+def test_resume_refuses_a_request_file_with_a_repeated_id(tmp_path, capsys):
+    """A repeated id would make its second request look answered by the first's result."""
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _requests(requests, 2)
+    assert _run(tmp_path, capsys, requests, out)[0] == 0
+    before = out.read_bytes()
+    _append(requests, 1, start=1)                  # r1 again, a different request
+    with open(requests, "a") as f:
+        f.write(json.dumps({"id": "r1", "prompt_ids": [30, 31], "max_tokens": 1}) + "\n")
+    rc, _, err = _run(tmp_path, capsys, requests, out, "--resume")
+    assert rc == 2 and len(err) == 1 and "line 3: id 'r1' is also the id of line 2" in err[0]
+    assert out.read_bytes() == before
+
+
+def _lines(out):
+    return out.read_text().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize("damage, served", [
+    # an id damaged into one that is not in the request file: r1 is served again
+    (lambda ls: [ls[0], ls[1].replace('"id": "r1"', '"id": "r7"', 1), ls[2]], ["r1"]),
+    # an id damaged into another request's: neither line can be trusted
+    (lambda ls: [ls[0], ls[1].replace('"id": "r1"', '"id": "r0"', 1), ls[2]], ["r0", "r1"]),
+    # a line cut inside but ending in a newline, and a record without its answer
+    (lambda ls: [ls[0][:25] + "\n", '{"id": "r1"}\n', ls[2]], ["r0", "r1"]),
+])
+def test_resume_drops_damaged_output_lines_and_serves_them_again(tmp_path, capsys, damage,
+                                                                 served):
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _requests(requests, 3)
+    assert _run(tmp_path, capsys, requests, out)[0] == 0
+    good = {json.loads(x)["id"]: x for x in _lines(out)}
+    out.write_text("".join(damage(_lines(out))))
+    rc, printed, err = _run(tmp_path, capsys, requests, out, "--resume")
+    assert rc == 0 and f"{len(served)} requests:" in printed
+    assert any("not kept" in line and "served again" in line for line in err), err
+    kept = [r for r in ("r0", "r1", "r2") if r not in served]
+    assert _ids(out) == kept + served
+    assert all(good[r] == x for r, x in zip(kept, _lines(out)))   # copied as they were
+
+
+def test_resume_drops_a_stray_line_with_nothing_to_serve(tmp_path, capsys):
+    requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _requests(requests, 2)
+    assert _run(tmp_path, capsys, requests, out)[0] == 0
+    clean = out.read_text()
+    stray = json.loads(_lines(out)[0])
+    stray["id"] = "elsewhere"
+    out.write_text(clean + json.dumps(stray) + "\n")
+    rc, printed, err = _run(tmp_path, capsys, requests, out, "--resume")
+    assert rc == 0 and "nothing to serve" in printed
+    assert len(err) == 1 and "'elsewhere' is not in the request file" in err[0], err
+    assert out.read_text() == clean
+
+
 def test_a_resumed_run_that_stops_keeps_what_it_finished(tmp_path, capsys, monkeypatch):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 4)

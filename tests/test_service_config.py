@@ -20,6 +20,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from impress_flexgen import run, serve
+from impress_flexgen.cli import run_main
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serve import background_server
 from impress_flexgen.config import RunConfig, ServiceConfig, StoreOptions
@@ -111,8 +112,11 @@ def test_the_config_holds_what_the_flags_said_once():
     config = ServiceConfig.from_args(run.parse_args(FLAGS))
     assert {f.name for f in dataclasses.fields(ServiceConfig)} == {
         "runtime", "run", "tiers", "store", "queue_size", "timeout_s", "max_batch_size",
-        "max_batch_tokens", "batch_gather_s"}
+        "max_batch_tokens", "batch_gather_s", "score_piece_tokens"}
     assert (config.max_batch_size, config.max_batch_tokens) == (8, 8192)
+    assert config.score_piece_tokens is None      # the scheduler's own default
+    assert ServiceConfig.from_args(run.parse_args(
+        FLAGS + ["--score-piece-tokens", "128"])).score_piece_tokens == 128
     assert config.batch_gather_s == 0.01
     assert ServiceConfig.from_args(run.parse_args(
         FLAGS + ["--batch-gather-ms", "0"])).batch_gather_s == 0
@@ -191,6 +195,25 @@ def test_a_password_in_the_pool_url_is_never_printed():
     assert redact_url("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     assert redact_url("redis://me:s3cret@host/1") == "redis://me:***@host/1"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    # TLS and other secrets in the query, also under an encoded name redis-py decodes.
+    assert redact_url("rediss://h:6380/0?ssl_password=s3cret&ssl_cert_reqs=none") == \
+        "rediss://h:6380/0?ssl_password=***&ssl_cert_reqs=none"
+    assert redact_url("rediss://h:6380?ssl%5Fpassword=s3cret") == \
+        "rediss://h:6380?ssl%5Fpassword=***"
+    assert "s3cret" not in redact_url("redis://h/0?db=1&auth_token=s3cret")
+    config = ServiceConfig(model=MODEL, tiers=TierConfig(
+        remote_url="rediss://u:s3cret@h:6380/0?ssl_password=s3cret"))
+    assert "s3cret" not in config.plan_line() and "rediss://u:***@h:6380/0" in \
+        config.plan_line()
+
+
+def test_a_url_that_cannot_be_read_is_refused_without_its_password(capsys):
+    from impress_flexgen import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.parse_args(["--remote-tier", "redis://:s3cret@[::1/0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "s3cret" not in err and "cannot be read" in err
 
 
 # -- reaching the engine ----------------------------------------------------------------------
@@ -232,6 +255,34 @@ def test_the_workload_summary_counts_plans(tmp_path, capsys):
     assert json.loads(out.read_text())["workload"]["disk_read_limit_mb_s"] == 500
 
 
+@pytest.mark.parametrize("url", ["redis://10.0.0.7:6379/0", "rediss://pool.example:6380/0",
+                                 "redis+cluster://127.0.0.1:7000,10.0.0.8:7001"])
+def test_a_pool_on_another_machine_without_a_secret_is_refused_in_one_line(url, tmp_path,
+                                                                           capsys, monkeypatch):
+    """Anyone able to write to such a pool could change answers: a secret, or an explicit
+    --remote-insecure. Refused before anything is built."""
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    argv = ["--model", MODEL, "--remote-tier", url, "--store-dir", str(tmp_path / "s"),
+            "--prompt", "hello"]
+    rc = run_main("python -m impress_flexgen.run", run.main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--remote-insecure" in err[0], err
+    assert "--remote-secret" in err[0] and not (tmp_path / "s").exists()
+    for extra in (["--remote-secret", "shared"], ["--remote-insecure"]):
+        assert ServiceConfig.from_args(run.parse_args(argv + extra)).tiers.remote_url == url
+    monkeypatch.setenv("IMPRESS_REMOTE_SECRET", "from-the-environment")
+    assert ServiceConfig.from_args(run.parse_args(argv)).tiers.remote_url == url
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "redis://localhost:6379/1",
+                                 "redis://[::1]:6379/0", "unix:///run/redis.sock",
+                                 "redis+cluster://127.0.0.1:7000,127.0.0.2:7001"])
+def test_a_pool_on_this_machine_needs_no_secret(url, monkeypatch):
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    args = run.parse_args(["--model", MODEL, "--remote-tier", url])
+    assert ServiceConfig.from_args(args).tiers.remote_url == url
+
+
 def test_a_plan_that_needs_the_cost_model_is_calibrated_at_start(runtime, tmp_path):
     args = serve.parse_args(["--model", MODEL, "--plan", "both", "--disk-read-limit", "40",
                              "--store-dir", str(tmp_path / "stores")])
@@ -251,10 +302,19 @@ def pool():
         yield srv
 
 
-def _service(runtime, root, url, plan="load"):
+def _service(runtime, root, url, plan="load", secret="pool-secret"):
     args = serve.parse_args(["--model", MODEL, "--plan", plan, "--remote-tier", url,
-                             "--store-dir", str(root)])
+                             "--store-dir", str(root)]
+                            + (["--remote-secret", secret] if secret else []))
     return Service(ServiceConfig.from_args(args), runtime=runtime)
+
+
+def test_a_pool_without_a_secret_is_a_warning_at_start(runtime, tmp_path, pool, monkeypatch):
+    monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
+    with _service(runtime, tmp_path / "s", pool.url, secret=None) as service:
+        assert len(service.warnings) == 1, service.warnings
+        assert "has no secret" in service.warnings[0]
+        assert "never stored locally" in service.warnings[0]
 
 
 def test_metrics_show_every_tier_plans_and_the_pool(runtime, tmp_path, pool):

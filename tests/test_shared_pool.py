@@ -4,6 +4,7 @@ damaged value, never fails a request nor changes its tokens."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,10 +50,13 @@ ROLE = textwrap.dedent("""
 
 
 def _serve_in_process(tmp_path, name, url):
+    """One serving process of a pool whose servers share a secret (so that what it reads
+    from the pool is stored locally too)."""
     out = tmp_path / f"{name}.pt"
     subprocess.run([sys.executable, "-c", ROLE, str(tmp_path / f"store-{name}"), url, str(out),
                     str(tmp_path / f"off-{name}"), json.dumps(PREFIX), json.dumps(QUERY)],
-                   cwd=ROOT, check=True, timeout=300)
+                   cwd=ROOT, check=True, timeout=300,
+                   env={**os.environ, "IMPRESS_REMOTE_SECRET": "pool-secret"})
     return torch.load(out)
 
 
@@ -175,6 +179,10 @@ def _read_back(rt, tmp_path, url, prefix, query, hashes, secret=None):
         assert resp.tokens == _reference(rt, prefix, query)
         assert reader.shared.tier.flush(10)
         assert reader.shared.tier.batch_exists_chunks(hashes) == len(hashes)
+        if secret is None and resp.stats.shared_tokens:
+            # Unauthenticated KV served the request; none of it became local state.
+            assert len(rstore.tree) == 0 and reader.shared_unstored == 1
+            return resp, reader.shared.tier.metrics(), reader.shared_fallbacks
         # What came from the pool is the writer's bytes; what was computed again agrees
         # with them to rounding (another prefill's kernels); nothing else was kept.
         check, cstore = _engine(rt, tmp_path / "w", None)
@@ -220,11 +228,49 @@ def test_forged_value_without_the_secret_is_refused(tiny_runtimes, tmp_path, ser
     ns = writer.shared.namespace
     writer.close()
     wstore.close()
-    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
     client.set(layer_key(hashes[0], 1), encode_value(zeros, ns, hashes[0], 1, b"a guess"))
     client.set(layer_key(hashes[2], 0), encode_value(zeros, ns, hashes[2], 0))
     resp, m, _ = _read_back(rt, tmp_path, server.url, prefix, query, hashes, "pool-secret")
     assert m["corrupt_values"] >= 1
+
+
+def test_a_pool_without_a_secret_is_used_but_never_becomes_local_state(tiny_runtimes,
+                                                                       tmp_path, server):
+    """Without a secret, anyone able to write to the pool can hand out KV with a valid CRC
+    (here all zeros): the request that reads it uses it, but the reader's store keeps
+    nothing of it, nor of what was computed over it; the next request computes afresh."""
+    rt = tiny_runtimes["llama-tiny"]
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    prefix, query = PREFIX[:96], QUERY
+    hashes = _fill(rt, tmp_path, server.url, prefix, query)
+    writer, wstore = _engine(rt, tmp_path / "x", server.url)
+    ns = writer.shared.namespace
+    writer.close()
+    wstore.close()
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
+    for h in hashes:
+        for layer in range(ns.n_layers):
+            client.set(layer_key(h, layer), encode_value(zeros, ns, h, layer))
+    reader, rstore = _engine(rt, tmp_path / "r", server.url, budget=False)
+    try:
+        resp = reader.serve(Request(prefix, query, 3))
+        assert resp.stats.shared_tokens == 96       # the forged values pass their CRC
+        assert reader.shared.tier.flush(10)
+        assert len(rstore.tree) == 0, "unauthenticated KV was stored locally"
+        assert reader.shared_unstored == 1 and not reader.shared.keyed
+    finally:
+        reader.close()
+        rstore.close()
+    alone, astore = _engine(rt, tmp_path / "r", None)   # the same store, no pool
+    try:
+        again = alone.serve(Request(prefix, query, 3))
+        assert again.stats.matched_tokens == 0
+        assert again.tokens == _reference(rt, prefix, query)
+    finally:
+        alone.close()
+        astore.close()
 
 
 def test_evicted_layer_is_not_read_and_is_written_again(tiny_runtimes, tmp_path, server):

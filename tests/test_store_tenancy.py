@@ -167,12 +167,40 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
                 raise OSError(errno.ENOSPC, "No space left on device")
             return write(*args, **kwargs)
         monkeypatch.setattr(store.files, "write_layer_file", disk_full)
-        monkeypatch.setattr(store.files, "free_bytes", lambda: 0)
+        monkeypatch.setattr(store.files, "free_bytes", lambda: None)   # statvfs says nothing
         new = tokens(30, 2 * C)
         store.insert(new, 0, make_kv(2 * C, 9))
         assert matched(store, new) == 2 * C
         assert store.metrics.evictions >= 1
         assert sum(matched(store, t) > 0 for t in olds) < 3
+
+
+def test_a_small_disk_keeps_metadata_room_and_stores_every_prefix(tmp_path):
+    """No capacity set, on a file system of 10.5 MiB that every file of the store counts
+    against (the metadata database and its log too, which SQLite writes itself): each new
+    prefix is stored, older unlocked ones evicted as the room runs out, and the layer files
+    leave the headroom free. Files that took the disk's last bytes would leave SQLite no
+    room to record even the eviction that frees them: inserts then fail for good, with old
+    leaves still on disk."""
+    from experiments.crash_test.fake_os import SmallDiskOS
+    from experiments.crash_test.patching import patched_os
+
+    shape = ModelShape("small-disk", n_layers=2, n_kv_heads=8, head_dim=64,
+                       fingerprint="e" * 64)
+    n = 8 * C                                    # 512 KiB of layer files a prefix
+    headroom = 8 << 20                           # StoreConfig's default (checked below)
+    disk = SmallDiskOS(tmp_path / "s", capacity=headroom + (5 << 19))
+    news = [tokens(100 + i, n) for i in range(24)]
+    with patched_os(disk), PrefixStore(tmp_path / "s", shape, config()) as store:
+        for i, t in enumerate(news):
+            store.insert(t, 0, seeded_kv(shape, n, 100 + i))
+            assert matched(store, t) == n, f"prefix {i} not stored"
+            free = disk.capacity - disk.used()
+            assert free >= headroom // 2, f"after prefix {i}: {free} bytes free"
+        assert store.metrics.evictions >= 24 - 5
+        assert sum(matched(store, t) == n for t in news[:-1]) >= 2   # kept as room allows
+    assert disk.peak <= disk.capacity
+    assert StoreConfig().disk_headroom_bytes == headroom
 
 
 def test_a_passing_enospc_on_a_disk_with_room_evicts_nothing(tmp_path, monkeypatch):

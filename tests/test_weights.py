@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -174,6 +175,68 @@ def test_the_content_digest_is_cached_and_follows_the_files(tmp_path, monkeypatc
     weights.save_tensor(d, "a", np.zeros(4))
     _later(d / "a")
     assert weights.content_digest(d) != first and hashed == [1]
+
+
+def _edit_keeping_mtime(path) -> None:
+    """Change a byte in place (same size, same inode) and put the mtime back, as a careful
+    editor would; only the ctime tells."""
+    st = os.stat(path)
+    time.sleep(0.05)             # the ctime moves with the kernel's clock tick: let one pass
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == \
+        (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def test_the_content_digest_sees_an_edit_whose_mtime_was_put_back(tmp_path):
+    d = tmp_path / "w"
+    d.mkdir()
+    weights.save_tensor(d, "a", np.arange(16, dtype=np.float32))
+    first = weights.content_digest(d)
+    _edit_keeping_mtime(d / "a")
+    assert weights.content_digest(d) != first
+
+
+def test_a_converted_file_edited_with_its_mtime_put_back_is_converted_again(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x")
+    calls = []
+
+    def convert(out):
+        calls.append(out)
+        weights.save_tensor(out, "a", np.arange(1000, dtype=np.float32))
+
+    done = weights.converted_dir(tmp_path / "cache", "m", [src], np.float32, convert)
+    digest = weights.content_digest(done)
+    _edit_keeping_mtime(done / "a")
+    assert weights.converted_dir(tmp_path / "cache", "m", [src], np.float32, convert) == done
+    assert len(calls) == 2                           # the edit was seen: converted again
+    assert np.array_equal(np.load(done / "a"), np.arange(1000, dtype=np.float32))
+    assert weights.content_digest(done) == digest    # the weights the digest names
+
+
+def test_an_edited_checkpoint_with_its_mtime_put_back_is_converted_again(tmp_path):
+    """The conversion follows its checkpoint's bytes, and so does the digest that keys the
+    stored KV: KV computed with the old weights is never read with the new ones."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(np.arange(64, dtype=np.uint8).tobytes())
+
+    def convert(out):
+        weights.save_tensor(out, "a", np.frombuffer(src.read_bytes(), dtype=np.uint8) * 2.0)
+
+    cache = tmp_path / "cache"
+    done = weights.converted_dir(cache, "m", [src], np.float32, convert)
+    digest = weights.content_digest(done)
+    _edit_keeping_mtime(src)
+    again = weights.converted_dir(cache, "m", [src], np.float32, convert)
+    assert np.load(again / "a")[-1] == (63 ^ 0xFF) * 2.0
+    assert weights.content_digest(again) != digest
+    assert [p.name for p in cache.iterdir()] == [again.name]    # replaced, not piled up
 
 
 def test_a_damaged_cached_tokenizer_is_rebuilt(tmp_path, monkeypatch):

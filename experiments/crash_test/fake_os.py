@@ -79,3 +79,57 @@ class NoSpaceOS:
     @staticmethod
     def pwrite(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+class SmallDiskOS:
+    """Stands in for `os` as a file system of `capacity` bytes holding `root` (a store's
+    directory): every regular file under it counts (the metadata database and its log
+    too, which SQLite writes itself), statvfs reports what is left, and sizing or
+    writing a file beyond it fails with ENOSPC. `peak` is the most ever found in use: above
+    `capacity`, SQLite's own writes would have failed on such a disk."""
+
+    BLOCK = 4096
+
+    def __init__(self, root, capacity: int):
+        self.root, self.capacity, self.peak = str(root), capacity, 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def used(self) -> int:
+        seen, total = set(), 0
+        for parent, _, names in os.walk(self.root):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(parent, name))
+                except FileNotFoundError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen and not os.path.islink(
+                        os.path.join(parent, name)):
+                    seen.add((st.st_dev, st.st_ino))   # a hard link is one file
+                    total += st.st_size
+        self.peak = max(self.peak, total)
+        return total
+
+    def _grow(self, fd, end: int) -> None:
+        with self._lock:
+            grow = end - os.fstat(fd).st_size
+            if grow > 0 and self.used() + grow > self.capacity:
+                self.refused += 1
+                raise OSError(errno.ENOSPC, "No space left on device (small disk)")
+
+    def ftruncate(self, fd, length):
+        self._grow(fd, length)
+        return os.ftruncate(fd, length)
+
+    def pwrite(self, fd, data, offset):
+        self._grow(fd, offset + len(data))
+        return os.pwrite(fd, data, offset)
+
+    def statvfs(self, path):
+        free = max(0, self.capacity - self.used()) // self.BLOCK
+        blocks = self.capacity // self.BLOCK
+        return os.statvfs_result((self.BLOCK, self.BLOCK, blocks, free, free, 1 << 20,
+                                  1 << 20, 1 << 20, 0, 255))

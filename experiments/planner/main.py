@@ -202,6 +202,8 @@ def main(argv=None) -> int:
 
             def done_so_far(cells):   # a long run stopped midway keeps its finished cells
                 write_json(args.json, _payload(args, argv, calibration, cells, False))
+                if args.figure:
+                    plot(cells, args.figure, args.model)
 
             with tqdm(total=total, desc="requests", unit="req") as bar:
                 cells = measure(rt, args, bar, done_so_far)

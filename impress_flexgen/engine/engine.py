@@ -18,7 +18,8 @@ For each request:
        attend   the new tokens over the kept prefix tokens plus themselves (causal);
        MLP;
   4. logits   of the last position: the first token (time to first token ends here;
-              logits of the other query positions, when asked for, come after);
+              logits of the other query positions, when asked for, come after; a scored
+              prompt is prefilled and scored in pieces instead, scoring.py);
   5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
               shared pool (write-through); on a writer thread while the request decodes
               (store_writer);
@@ -40,7 +41,6 @@ import torch
 from policies import ServingPolicy
 
 from .batch_prefill import PrefillJob, prefill_pass
-from .. import cpu_threads
 from ..batch_runner import BatchRunner
 from ..errors import UserError
 from ..planner.context import ContextKV
@@ -48,13 +48,15 @@ from ..planner.planner import Planner
 from ..request import Request, RequestStats, Response
 from ..runtime import Runtime
 from ..sampling import Sampler
+from ..scores import step_scores
 from ..sequence import LayerKV, Sequence
-from ..store import CorruptNode, PrefixStore, StoreWriteFailed
+from ..store import CHUNK_SIZE, CorruptNode, PrefixStore, StoreWriteFailed
 from ..store.shared import SharedMiss, shared_pool
 from ..tiers import ChunkCache, TierConfig
 from .family import FamilyMath, probe_setup
 from .prefix_kv import PrefixKV
 from .runner import LayerRunner
+from .scoring import PIECE_TOKENS, ScoredPrefill
 from .store_writer import StoreWriter
 
 log = logging.getLogger("impress_flexgen.engine")
@@ -80,8 +82,10 @@ class Engine:
         self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
         # FlexGen's weight buffers and the policy's per-layer state belong to one request at
         # a time: requests from several threads take turns through the layers (the store
-        # serves several engines at once).
-        self._serving = cpu_threads.ComputeLock()
+        # serves several engines at once). The buffers are the model's, so every engine on
+        # one runtime takes the runtime's lock (a planner's background recalibration on one
+        # engine must not run the model while another engine serves).
+        self._serving = runtime.compute_lock
         self.compute = self.model.layers[0].compute
         self.device = self.compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
@@ -95,16 +99,23 @@ class Engine:
                            tiers.exclusive, verify_hits=tiers.verify_hits),
                 gpu_device=self.device))
         c = self.math
-        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
+        # Decode steps count the KV they move in fp16 bytes, as the decode-phase policies do.
+        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2
+        # Loads count stored bytes (the store's KV format).
+        self.stored_bytes_per_token_layer = store.shape.kv_bytes_per_token_layer \
+            if store is not None else self.kv_bytes_per_token_layer
         # The stored prefix KV a layer attends, and the prefill's loop over the layers.
         self.prefix = PrefixKV(store, policy, c, self.probe_heads, self.probe_kv_heads,
-                               self.device, self.dtype, self.kv_bytes_per_token_layer)
+                               self.device, self.dtype, self.stored_bytes_per_token_layer)
         self.layers = LayerRunner(runtime, c, self.prefix, self.device, self.dtype)
         self.planner = None      # the cost model's planner, when the plan is auto or both
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
         self.shared_fallbacks = 0
-        if tiers.remote_url and store is not None and policy.reuse:
+        self.shared_unstored = 0    # prefixes not stored: part of them came unauthenticated
+        # An exact reader takes nothing from a store (or pool) in a format that loses bits.
+        if tiers.remote_url and store is not None and policy.reuse and \
+                (store.shape.kv_exact or not policy.exact_reads):
             self.shared = shared_pool(
                 tiers.remote_url, store, self.dtype, secret=tiers.remote_secret,
                 ttl_s=tiers.remote_ttl, recompute_s=lambda n, ctx: None if self.planner is None
@@ -138,6 +149,8 @@ class Engine:
         """The prefill step of a request (match, plan, load, compute, first token, store):
         a sequence for decode steps, `done` when the first token was also the last."""
         request = self._checked(request)
+        if request.prompt_logprobs is not None:      # every piece of it now
+            return self.open_scoring([request]).run()[0]
         use_shared = self.shared is not None
         for attempt in range(4):
             try:
@@ -156,6 +169,12 @@ class Engine:
                 self.shared_fallbacks += 1
                 use_shared = attempt == 0
         raise RuntimeError("store kept failing CRC checks; giving up on this request")
+
+    def open_scoring(self, requests: list[Request],
+                     piece_tokens: int = PIECE_TOKENS) -> ScoredPrefill:
+        """The prefill of a scored prompt, to be advanced a piece at a time; `requests`:
+        the choices that share it (the same query, each its own sampling)."""
+        return ScoredPrefill(self, [self._checked(r) for r in requests], piece_tokens)
 
     def _checked(self, request: Request) -> Request:
         """The request, refused (UserError) if malformed; its on_token relayed across retries."""
@@ -196,7 +215,8 @@ class Engine:
             stats.decode_bytes_per_step = seq.moved / steps
         self.runner.side.forget(seq)
         seq.kv = None     # the context's memory goes now, not with the last reference
-        return Response(seq.tokens, seq.query_logits, seq.step_logits, stats)
+        return Response(seq.tokens, seq.query_logits, seq.step_logits, stats, seq.logprobs,
+                        seq.prompt_scores)
 
     def _serve(self, req: Request, want_query_logits: bool, recovered: int,
                use_shared: bool = False) -> Sequence:
@@ -235,7 +255,8 @@ class Engine:
                 if use_shared and use_store else None
             n_given = given.n_tokens if given is not None else 0
             new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
-            stats.prefix_bytes = matched * self.kv_bytes_per_token_layer * self.math.n_layers
+            stats.prefix_bytes = matched * self.stored_bytes_per_token_layer * \
+                self.math.n_layers
             # Load the matched prefix, recompute it, or recompute its front while the rest
             # loads: `front` tokens are recomputed.
             front = self._choose_plan(segments_nodes, matched, len(new_ids), stats)
@@ -248,15 +269,21 @@ class Engine:
         job.segments_nodes, job.matched, job.given, job.n_given = \
             segments_nodes, matched, given, n_given
         job.new_ids, job.front = new_ids, front
+        if self.policy.exact_reads:     # what a store keeps: canonical calls (canonical.py)
+            chunk = self.store.config.chunk_size if self.store is not None else CHUNK_SIZE
+            job.canonical_end = len(req.prefix) // chunk * chunk
         return job
 
     def _first_token(self, job: PrefillJob, tail, out_w) -> None:
         """4. the first token from the last hidden state; streamed now."""
         req, stats = job.req, job.stats
         with stats.timer("compute_s"):
-            logits = self.math.logits(out_w, tail[-1:]).cpu()
+            on_device = self.math.logits(out_w, tail[-1:])
+            logits = on_device.cpu()
         sampler = Sampler(req.sampling)
         first = sampler.pick(logits[-1])
+        if req.logprobs is not None:
+            job.first_scores = step_scores(on_device, [0], [first], [req.logprobs])
         stats.ttft_s = time.perf_counter() - job.t_start
         if job.disk_before is not None and job.matched and job.learn:
             self._learn(stats, job.disk_before, job.matched)
@@ -274,9 +301,10 @@ class Engine:
         req, stats = job.req, job.stats
         # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
         logits = job.logits
-        seq = Sequence(req, job.sampler, stats, [job.first], [logits[-1]],
+        seq = Sequence(req, job.sampler, stats, [job.first],
+                       [logits[-1].clone()] if req.keep_logits else [],
                        logits if job.want_query_logits else None,
-                       position=len(req.prefix) + len(req.query))
+                       position=len(req.prefix) + len(req.query), logprobs=job.first_scores)
         if job.going and req.max_new_tokens > 1:
             if self.config.decode_over == "full" and job.match is not None and \
                     job.match.segments:
@@ -313,13 +341,23 @@ class Engine:
         n_prefix_new = len(req.prefix) - matched
         if n_prefix_new < self.store.config.chunk_size:
             return
-        try:
-            self.store.insert(req.prefix, matched,
-                              [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv],
-                              namespace=req.namespace, exact=stats.exact)
-        except StoreWriteFailed as exc:
-            log.warning("prefix not stored: %s", exc)
-            return
+        if n_given and not self.shared.keyed:
+            # KV from a pool without a secret is unauthenticated (whoever can write to the
+            # pool can forge it with a valid CRC): it served this request, but neither it
+            # nor what was computed over it becomes local state. The chunks computed here
+            # still go to the pool, which gave the rest.
+            self.shared_unstored += 1
+            if self.shared_unstored == 1:
+                log.warning("shared pool without a secret: prefixes read from it are used "
+                            "but not stored locally")
+        else:
+            prefix_kv = [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv]
+            try:
+                self.store.insert(req.prefix, matched, prefix_kv, namespace=req.namespace,
+                                  exact=stats.exact)
+            except StoreWriteFailed as exc:
+                log.warning("prefix not stored: %s", exc)
+                return
         if use_shared and stats.exact:
             # Durable here first; then shared (write-through, in the background): the
             # chunks the pool did not give us. Only exact KV is shared: the pool keeps no

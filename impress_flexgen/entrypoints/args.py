@@ -11,12 +11,14 @@ the tiers and the placement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, require
 
 _TYPE_ERROR = re.compile(r"^argument ([^:]+): (must .*)$")
 
@@ -94,10 +96,21 @@ def write_json(path: str | None, payload: dict) -> None:
     if path is None:
         return
     out = Path(path)
+    text = json.dumps(payload, indent=2) + "\n"
+    # A file is written beside, then renamed: a reader (or a run killed meanwhile) sees the
+    # previous file or the new one, never half of one. Anything else (/dev/stdout, a link)
+    # is written in place.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
+        if out.is_symlink() or (out.exists() and not out.is_file()):
+            out.write_text(text)
+            return
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.write_text(text)
+        os.replace(tmp, out)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise UserError(f"cannot write {path}: {exc.strerror}") from None
 
 
@@ -136,6 +149,7 @@ def remote_url_arg(text: str) -> str:
 
     try:
         validate_url(text)
+        require("redis", "the remote tier", "redis==8.1.0")
     except UserError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("remote tier: ")) from None
     return text
@@ -187,6 +201,11 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     g.add_argument("--chunk-size", type=int_range(16, 256), default=CHUNK_SIZE,
                    help=f"tokens per chunk, a multiple of 8 in 16-256 ({CHUNK_SIZE})")
     g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
+    g.add_argument("--kv-format", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="how the store keeps prefix K and V (default: the compute dtype, so "
+                        "that a stored prefix gives the answer a recomputed one does); a "
+                        "smaller format is inexact: exact policies (full) recompute what it "
+                        "holds")
     g.add_argument("--reorder-interval", type=int_range(0), default=50,
                    help="queries between background reorders (policies that reorder; "
                         "0: never)")
@@ -224,7 +243,11 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     t.add_argument("--remote-secret", default=None, metavar="SECRET",
                    help="a secret shared by every server of the pool: values then carry an "
                         "HMAC-SHA256 and a value written without it is refused (default: the "
-                        "IMPRESS_REMOTE_SECRET environment variable; none: a CRC-32)")
+                        "IMPRESS_REMOTE_SECRET environment variable; none: a CRC-32, and "
+                        "what the pool gives is used but never stored locally)")
+    t.add_argument("--remote-insecure", action="store_true",
+                   help="use a --remote-tier on another machine without a --remote-secret "
+                        "(refused otherwise: anyone able to write to it could change answers)")
     t.add_argument("--remote-ttl", type=int_range(1), default=None, metavar="SECONDS",
                    help="the pool forgets a chunk this long after writing it (default: kept "
                         "until Redis evicts it)")
@@ -238,6 +261,10 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     g.add_argument("--max-batch-tokens", type=int_range(1), default=8192, metavar="N",
                    help="tokens per step: one per running request plus the prompts "
                         "prefilled in it; a lone prompt is always taken (8192)")
+    g.add_argument("--score-piece-tokens", type=int_range(1), default=None, metavar="N",
+                   help="a scored prompt (echo with logprobs) is prefilled this many tokens "
+                        "per step, so that other requests wait for a piece, not the whole "
+                        "prompt (32)")
     g.add_argument("--batch-gather-ms", type=finite_float(0, 10000), default=None, metavar="MS",
                    help="an idle server waits this long after a request for others "
                         "arriving with it, so that a burst is prefilled in one pass "

@@ -23,7 +23,15 @@ def open_request_file(args, spec, tokenizer):
     requests = RequestFile(args.requests, Frontend(spec, tokenizer, args.chunk_size),
                            max_tokens=args.request_max_tokens)
     todo = requests.check(results.ids if results is not None else frozenset())
+    if results is not None and results.resume:
+        results.match(requests.skipped)
+        damage = results.describe_damage()
+        if damage:
+            print(f"python -m impress_flexgen.run: warning: {damage}", file=sys.stderr)
     if not todo:
+        if results.damaged:          # nothing to serve, but lines to drop: rewrite it now
+            results.start()
+            results.commit()
         print(f"all {results.kept} requests of {args.requests} are already in {args.output}; "
               "nothing to serve")
     return requests, results, todo

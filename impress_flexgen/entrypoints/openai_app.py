@@ -14,6 +14,7 @@ application is openai_server.py.
 # below from their annotations.
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 
@@ -41,21 +42,22 @@ def create_app(service, options: ServerOptions | None = None):
     from .. import defaults
     from ..openai_api import (ChatBody, Common, CompletionBody, DetokenizeBody, TokenizeBody,
                              chat_logprobs, completion_logprobs, package_version,
-                             refuse_unsupported, usage, validation_message)
+                             prompt_block, refuse_unsupported, usage, validation_message)
     from ..errors import ServiceError
     from ..serve_guard import Guard, bearer_key, namespace
 
     options = options or ServerOptions()
     app = FastAPI(title="impress_flexgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, limit=options.max_body_bytes, api_keys=options.api_keys,
-                       on_refused=lambda: service.count("invalid"))
+                       on_refused=lambda: service.count("invalid"),
+                       metrics_key=options.metrics_key)
     name = service.model_name
     frontend = service.frontend
 
     @app.exception_handler(ServiceError)
     async def service_error(request, exc: ServiceError):
-        # A full queue: come back in a second (the engine serves a request in about that).
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        # A full queue: come back when it has drained, by the rate it drains at (service).
+        headers = {"Retry-After": str(exc.retry_after_s or 1)} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -91,7 +93,8 @@ def create_app(service, options: ServerOptions | None = None):
         return namespace(key, body.cache_salt)
 
     async def build(body: Common, request: Request, **prompt) -> list:
-        """The request's jobs, one per choice (n): tokenised once, seeds apart."""
+        """The request's jobs, one per choice (n): tokenised once, seeds apart (the
+        choices of a scored prompt then share its prefill: service.submit_choices)."""
         try:
             check_model(body.model)
             refuse_unsupported(body)
@@ -105,6 +108,7 @@ def create_app(service, options: ServerOptions | None = None):
                 stop=body.stop, top_k=body.top_k, min_p=body.min_p,
                 min_tokens=body.min_tokens, ignore_eos=bool(body.ignore_eos),
                 stop_token_ids=body.stop_token_ids)
+            frontend.check_scored(job, body.n or 1)
         except ServiceError as exc:
             service.count("invalid")
             if exc.param == "prompt_ids":     # token ids arrive in OpenAI's prompt field
@@ -119,17 +123,8 @@ def create_app(service, options: ServerOptions | None = None):
         return jobs
 
     def submit(jobs, listeners=None) -> list:
-        """Queue every choice, or none (429 for all if the queue fills part-way)."""
-        tickets = []
-        try:
-            for i, job in enumerate(jobs):
-                tickets.append(service.submit(job, listener=listeners[i] if listeners
-                                              else None))
-        except ServiceError:
-            for t in tickets:
-                t.cancel()
-            raise
-        return tickets
+        """Queue every choice together, or none (429)."""
+        return service.submit_choices(jobs, listeners)
 
     async def wait(tickets, request: Request):
         """The completions, or None if the client went away first (the jobs are cancelled)."""
@@ -146,6 +141,12 @@ def create_app(service, options: ServerOptions | None = None):
                     f.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return None
 
+    def counted(dones, body: Common) -> dict:
+        """The usage; cached_tokens only where the operator asked for it or the request's
+        namespace is its own salt's: elsewhere it would tell one client whether another's
+        prompt was stored (a right guess of a stored secret reads more cached tokens)."""
+        return usage(dones, options.prompt_tokens_details or body.cache_salt is not None)
+
     def extra(dones) -> dict:
         """The non-standard stats block, only where the operator asked for it: it tells
         what the store held, which is not every client's business."""
@@ -153,6 +154,11 @@ def create_app(service, options: ServerOptions | None = None):
 
     def piece(token: int) -> str:
         return frontend.decode([token])
+
+    def pieces():
+        """piece() remembering what it decoded: a scored prompt's block names each of
+        its tokens and their alternatives, mostly the same few."""
+        return functools.lru_cache(maxsize=1 << 16)(piece)
 
     def stream(jobs, body: Common, rid: str, created: int, chunk) -> StreamingResponse:
         """Server-sent events for every choice: `chunk(index, delta_text, finish_reason)`
@@ -205,7 +211,7 @@ def create_app(service, options: ServerOptions | None = None):
                 if include_usage and all(dones):
                     yield sse({"id": rid, "object": chunk(0, "", None)["object"],
                                "created": created, "model": name, "choices": [],
-                               "usage": usage(dones), **extra(dones)})
+                               "usage": counted(dones, body), **extra(dones)})
                 yield "data: [DONE]\n\n"
             finally:
                 for t in tickets:
@@ -226,9 +232,9 @@ def create_app(service, options: ServerOptions | None = None):
                                         f"{len(prompt)})", param="prompt")
             prompt = prompt[0]
         kw = {"prompt_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
-        scored = bool(body.echo) and body.logprobs is not None
+        scored_prompt = bool(body.echo) and body.logprobs is not None
         jobs = await build(body, request, **kw, max_tokens=body.max_tokens,
-                           logprobs=body.logprobs, prompt_logprobs=scored)
+                           logprobs=body.logprobs, prompt_logprobs=scored_prompt)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(i, text, finish):
@@ -243,16 +249,28 @@ def create_app(service, options: ServerOptions | None = None):
         dones = await wait(submit(jobs), request)
         if dones is None:
             return Response(status_code=499)
-        echoed = ""
-        if body.echo:
-            echoed = prompt if isinstance(prompt, str) else \
-                await run_in_threadpool(frontend.decode, jobs[0].ids)
-        choices = [{"index": i, "text": echoed + d.text,
-                    "logprobs": None if body.logprobs is None else completion_logprobs(
-                        piece, jobs[0].ids, d, body.logprobs),
-                    "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(dones), **extra(dones)}
+
+        def answer() -> JSONResponse:
+            # Text of every token and its alternatives, then JSON: a scored prompt's are
+            # many, so in a worker thread, neither the engine's nor the event loop's.
+            echoed = ""
+            if body.echo:
+                echoed = prompt if isinstance(prompt, str) else frontend.decode(jobs[0].ids)
+            named = pieces()
+            scored = None
+            if scored_prompt:
+                scored = prompt_block(named, jobs[0].ids, dones[0].prompt_scores,
+                                      body.logprobs)
+            choices = [{"index": i, "text": echoed + d.text,
+                        "logprobs": None if body.logprobs is None else completion_logprobs(
+                            named, d, body.logprobs, scored),
+                        "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                                 "model": name, "choices": choices,
+                                 "usage": counted(dones, body),
+                                 **extra(dones)})
+
+        return await run_in_threadpool(answer)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -279,7 +297,7 @@ def create_app(service, options: ServerOptions | None = None):
                     "logprobs": chat_logprobs(piece, d, top) if body.logprobs else None,
                     "finish_reason": d.finish_reason} for i, d in enumerate(dones)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(dones), **extra(dones)}
+                "choices": choices, "usage": counted(dones, body), **extra(dones)}
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": service.created,

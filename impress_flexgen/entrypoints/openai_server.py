@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from ..errors import UserError
-from ..serve_guard import DEFAULT_MAX_BODY_BYTES, ServerOptions
+from ..errors import UserError, require
+from ..serve_guard import BACKLOG, DEFAULT_MAX_BODY_BYTES, READ_TIMEOUT_S, ServerOptions
 from .args import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
                    finite_float, int_range)
 from .openai_app import create_app
@@ -46,12 +46,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 def _uvicorn_server(service, log_level: str, graceful_s: float | None,
                    options: ServerOptions | None = None):
-    import uvicorn
+    """uvicorn with a read deadline, a connection cap and quiet accept errors
+    (http_server.py)."""
+    from .http_server import http_server
 
-    config = uvicorn.Config(create_app(service, options), log_level=log_level,
-                            access_log=False,
-                            timeout_graceful_shutdown=graceful_s, lifespan="off")
-    return uvicorn.Server(config)
+    options = options or ServerOptions()
+    return http_server(create_app(service, options), log_level, graceful_s, options)
 
 
 @contextlib.contextmanager
@@ -115,21 +115,53 @@ def parse_args(argv):
                    help="add the per-request block 'impress_flexgen' (matched tokens, plan, "
                         "bytes read, timings) to responses; off by default, as it tells "
                         "clients what the store held")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="return usage.prompt_tokens_details.cached_tokens for every request "
+                        "(default: only for requests with a cache_salt, as it tells whether "
+                        "a prompt was stored by anyone sharing the namespace)")
+    s.add_argument("--metrics-key", default=None, metavar="KEY",
+                   help="/metrics needs 'Authorization: Bearer KEY' (default: none needed "
+                        "without --api-key; with --api-key and no metrics key, /metrics is "
+                        "closed, as its counters span every tenant)")
+    c = p.add_argument_group("connections")
+    c.add_argument("--read-timeout-s", type=finite_float(0, 3600, low_open=True),
+                   default=READ_TIMEOUT_S, metavar="S",
+                   help="a connection must send each whole request, headers and body, within "
+                        f"S seconds of opening or of its previous answer, or it is closed "
+                        f"({READ_TIMEOUT_S:g})")
+    c.add_argument("--max-connections", type=int_range(1), default=None, metavar="N",
+                   help="connections open at once; beyond them, one waiting longest for its "
+                        "request gives way (default and most: the descriptor limit less "
+                        "room for the store's files)")
+    c.add_argument("--backlog", type=int_range(1, 65535), default=BACKLOG, metavar="N",
+                   help=f"connections the kernel holds before accepting ({BACKLOG})")
     args = p.parse_args(argv)
     check_serving_args(p, args, [args.policy])
     if any(not k.strip() for k in args.api_key):
         p.error("argument --api-key: a key must not be empty")
+    if args.metrics_key is not None and (not args.metrics_key.strip() or
+                                         args.metrics_key.strip() in
+                                         [k.strip() for k in args.api_key]):
+        p.error("argument --metrics-key: must not be empty nor one of the API keys")
     return args
 
 
 def server_options(args) -> ServerOptions:
     return ServerOptions(max_body_bytes=args.max_body_bytes,
                          api_keys=tuple(k.strip() for k in args.api_key),
-                         cache_stats=args.return_cache_stats)
+                         cache_stats=args.return_cache_stats,
+                         read_timeout_s=args.read_timeout_s,
+                         max_connections=args.max_connections, backlog=args.backlog,
+                         prompt_tokens_details=args.enable_prompt_tokens_details,
+                         metrics_key=args.metrics_key and args.metrics_key.strip())
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The server stack is imported only when serving: a missing one is said before the
+    # model loads.
+    require("fastapi", "the OpenAI-compatible server", "fastapi==0.165.0")
+    require("uvicorn", "the OpenAI-compatible server", "uvicorn==0.54.0")
     from ..config import ServiceConfig
     from ..runtime import resolve_spec
     from ..service import Service
@@ -148,10 +180,17 @@ def main(argv=None) -> int:
         for warning in service.warnings:
             print(f"python -m impress_flexgen.serve: warning: {warning}", file=sys.stderr,
                   flush=True)
+        options = server_options(args)
         server = _uvicorn_server(service, args.log_level, graceful_s=args.timeout_s,
-                                 options=server_options(args))
+                                 options=options)
         # Listening from now on: connections wait in the backlog while uvicorn starts.
-        sock.listen(2048)
+        sock.listen(options.backlog)
+        print(f"connections: at most {server.cap} open, each request read within "
+              f"{options.read_timeout_s:g} s, backlog {options.backlog}", flush=True)
+        if options.max_connections is not None and server.cap < options.max_connections:
+            print(f"python -m impress_flexgen.serve: warning: --max-connections "
+                  f"{options.max_connections} is more than the descriptor limit leaves room "
+                  f"for; serving at most {server.cap}", file=sys.stderr, flush=True)
         host, port = sock.getsockname()[:2]
         print(f"serving {service.model_name} on http://{host}:{port}/v1 (OpenAI-compatible; "
               "also /health, /metrics)", flush=True)

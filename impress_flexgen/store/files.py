@@ -37,8 +37,8 @@ class LayerFiles:
         """Write one (node, layer) file in the physical order given by `mapping`, fsynced;
         returns its CRC-32s (probe, K chunks..., V chunks...)."""
         config = self.state.config
-        k = k_logical.detach().to(torch.float16).cpu()
-        v = v_logical.detach().to(torch.float16).cpu()
+        k = k_logical.detach().to(layout.kv_dtype).cpu()
+        v = v_logical.detach().to(layout.kv_dtype).cpu()
         if mapping is not None:
             order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
             k, v = k[:, order], v[:, order]
@@ -91,13 +91,14 @@ class LayerFiles:
                 log.warning("store %s: cannot remove %s: %s", self.state.dir, path, exc)
         node.retired_files.clear()
 
-    def free_bytes(self) -> int:
-        """Bytes this user may still write on the store's file system."""
+    def free_bytes(self) -> int | None:
+        """Bytes this user may still write on the store's file system; None where the file
+        system does not say (statvfs fails or reports no size)."""
         try:
             st = dio.statvfs(self.state.data_dir)
         except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize
+            return None
+        return st.f_bavail * st.f_frsize if st.f_blocks > 0 else None
 
     # ------------------------------------------------------------------ quarantine
     def quarantine_file(self, path: Path) -> None:

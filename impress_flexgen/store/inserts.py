@@ -40,7 +40,8 @@ class Inserter:
         `exact`: the KV was computed with full attention over an exact prefix. Inexact KV
         is stored flagged (exact-only matches stop before it); exact KV supersedes the
         inexact nodes in its way (removed, unless a request holds them: then nothing is
-        stored). Exact KV whose stored prefix before `start` is inexact is stored inexact.
+        stored). Exact KV whose stored prefix before `start` is inexact is stored inexact,
+        and so is all KV of a store whose format does not keep the computed values.
 
         Files are written and fsynced with the path pinned but without the store lock, so
         other requests go on meanwhile; the commit then checks that the tree still looks as
@@ -53,10 +54,11 @@ class Inserter:
         if start % c:
             raise ValueError("insert start must be chunk-aligned")
         ns = namespace_key(namespace)
+        exact = exact and self.state.shape.kv_exact
         # Room a full disk must make before a retry: the new files, a split's at most.
         need = 2 * self.state.shape.n_layers * self.state.layout(max(c, end - start)).file_bytes
-        freed_for_full = 0
-        for _ in range(8):
+        changed = 0         # commits found the tree changed (a full disk's rounds not counted)
+        while changed < 8:
             with self.state.lock:
                 if exact and self.state.tree.match_prefix(tokens[:end], ns, True).length < start:
                     exact = False     # below an inexact prefix: inexact by descent
@@ -86,16 +88,17 @@ class Inserter:
                                            ns, exact)
             except DiskFull:
                 # No capacity set and the disk itself is full: evict leaves nobody holds
-                # (this insert's path is pinned) and try again, or nothing new is ever
-                # stored again. A disk with room left (a passing fault) evicts nothing.
-                if self.state.config.disk_capacity_bytes is not None or freed_for_full >= 4 * need \
-                        or self.files.free_bytes() >= need:
+                # (this insert's path is pinned) and try again, until it fits or nothing
+                # can go; each round evicts at least one leaf. A disk with room left (a
+                # passing fault) evicts nothing.
+                free = self.files.free_bytes()
+                if self.state.config.disk_capacity_bytes is not None or (
+                        free is not None
+                        and free >= need + self.state.config.disk_headroom_bytes):
                     raise
-                made = self.removal.evict_bytes(need)
-                if not made:
+                if not self.removal.evict_bytes(need):
                     raise
-                freed_for_full += made
-                node = None
+                continue
             finally:
                 with self.state.lock:
                     for freed in self.state.tree.unlock(match):
@@ -103,6 +106,7 @@ class Inserter:
             if node is not None:
                 with self.state.lock:
                     return self.state.tree.path_to(node)
+            changed += 1
         raise StoreWriteFailed("the prefix tree kept changing while this prefix was written")
 
     def _insert_pinned(self, tokens, start, kv, match: PrefixMatch, have: int,

@@ -28,14 +28,19 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from disk_layout.format import LEGACY_KV_FORMAT, kv_dtype_name
+
 from .base import nbytes
 from .pool_offer import StoredOffers
-from .remote import RedisTier, RemoteNamespace, chunk_hashes
+from .remote_codec import RemoteNamespace, chunk_hashes
+from .remote_url import SECRET_ENV
 
-SECRET_ENV = "IMPRESS_REMOTE_SECRET"
+if TYPE_CHECKING:   # the Redis client is imported only where a pool is configured
+    from .remote import RedisTier
 # Recompute speed assumed when the engine has no cost model (tokens per second): low, so
 # that only a pool clearly slower than computing is skipped.
 FALLBACK_TOKENS_PER_S = 1000.0
@@ -64,6 +69,13 @@ class SharedPrefix:
         self.offers = StoredOffers(self, store) if store is not None else None
         if self.offers is not None:
             tier.before_close.append(self.offers.close)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether values carry an HMAC under a shared secret. Without one, anyone able to
+        write to the pool can hand out KV with a valid CRC: it is then used for the request
+        that reads it, never made local state (engine._store_new)."""
+        return self.tier.secret is not None
 
     def namespace_for(self, tenant: str = "") -> RemoteNamespace:
         """The namespace of one tenant's entries (exact KV only)."""
@@ -195,15 +207,20 @@ def shared_pool(url: str, store, dtype: torch.dtype, *, secret: str | bytes | No
                 ttl_s: int | None = None,
                 recompute_s: Callable[[int, int], float | None] | None = None) -> SharedPrefix:
     """The pool at `url` for the model (its fingerprint, when the shape has one) and chunk
-    size of `store` (KV kept as it is stored on disk: float16). `secret` (default: the
-    IMPRESS_REMOTE_SECRET environment variable) makes every value carry an HMAC."""
+    size of `store` (KV kept as it is stored on disk, in the store's KV format). `secret`
+    (default: the IMPRESS_REMOTE_SECRET environment variable) makes every value carry an HMAC."""
+    from ..errors import require
     from .chain import REMOTE
+
+    require("redis", "the remote tier", "redis==8.1.0")
+    from .remote import RedisTier
 
     shape = store.shape
     if secret is None:
         secret = os.environ.get(SECRET_ENV) or None
     namespace = RemoteNamespace(shape.name, shape.n_layers, shape.n_kv_heads, shape.head_dim,
-                                "float16", store.config.chunk_size,
+                                kv_dtype_name(getattr(shape, "kv_format", LEGACY_KV_FORMAT)),
+                                store.config.chunk_size,
                                 fingerprint=str(getattr(shape, "fingerprint", "") or ""))
     tier = RedisTier(url, namespace, name=REMOTE, secret=secret, ttl_s=ttl_s)
     return SharedPrefix(tier, tier.namespace, REMOTE, recompute_s=recompute_s, store=store)

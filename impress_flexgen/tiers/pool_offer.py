@@ -19,12 +19,15 @@ import collections
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .. import cpu_threads
-from .remote import RedisTier, RemoteNamespace
+from .remote_codec import RemoteNamespace
+
+if TYPE_CHECKING:   # the Redis client is imported only where a pool is configured
+    from .remote import RedisTier
 
 log = logging.getLogger("impress_flexgen.tiers.remote")
 

@@ -13,30 +13,43 @@ import urllib.parse
 from ..errors import UserError
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|pass|pwd|secret|auth)=)[^&#]*")
+# A query parameter whose (decoded) name says it holds a secret: password, ssl_password,
+# pwd, secret, token, auth, credential_..., a key. Its value is printed as ***.
+_SECRET_NAME = re.compile(r"pass|pwd|secret|token|auth|cred|key", re.IGNORECASE)
+_PARAM = re.compile(r"([?&;])([^=&#;?]*)=([^&#;]*)")
 
 
 def is_cluster(url: str) -> bool:
     return urllib.parse.urlsplit(url).scheme.endswith("+cluster")
 
 
+def _redact_query(text: str) -> str:
+    def hide(m: re.Match) -> str:
+        # Named as the client will read it: ssl%5Fpassword is ssl_password to redis-py.
+        name = urllib.parse.unquote_plus(m.group(2))
+        return f"{m.group(1)}{m.group(2)}=***" if _SECRET_NAME.search(name) else m.group(0)
+
+    return _PARAM.sub(hide, text)
+
+
 def redact_url(url: str) -> str:
     """The url fit to print: the password in its userinfo (a bare userinfo may be a token:
-    all of it) and any password in its query string become ***."""
+    all of it) and the value of any query parameter named for a secret (password,
+    ssl_password, token, ...) become ***."""
     if not isinstance(url, str):
         return repr(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return _SECRET_QUERY.sub(r"\1***", url)
+        return _redact_query(url)
     netloc, slash, tail = rest.partition("/")
     if "?" in netloc:  # redis://host:port?password=x (no path)
         netloc, q, query = netloc.partition("?")
-        tail, slash = "?" + query, ""
+        tail, slash = "?" + query + slash + tail, ""
     if "@" in netloc:
         info, _, host = netloc.rpartition("@")
         user, colon, _ = info.partition(":")
         netloc = (f"{user}:***@" if colon else "***@") + host
-    return _SECRET_QUERY.sub(r"\1***", f"{scheme}://{netloc}{slash}{tail}")
+    return _redact_query(f"{scheme}://{netloc}{slash}{tail}")
 
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None, bool]:
@@ -63,7 +76,11 @@ def validate_url(url: str) -> None:
     if not isinstance(url, str) or not url:
         raise UserError("remote tier: url must be like redis://HOST:PORT/DB")
     shown = redact_url(url)
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:     # e.g. an unclosed [IPv6 address: its text holds the url
+        raise UserError(f"remote tier: url {shown!r} cannot be read ({type(exc).__name__})"
+                        ) from None
     if parts.scheme not in SCHEMES:
         raise UserError(f"remote tier: url {shown!r} must start with one of "
                         f"{', '.join(s + '://' for s in SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
@@ -88,3 +105,42 @@ def validate_url(url: str) -> None:
     db = parts.path.strip("/")
     if db and not db.isdigit():
         raise UserError(f"remote tier: url {shown!r} has a bad database {db!r}; expected a number")
+
+
+# -- trust ---------------------------------------------------------------------------------
+SECRET_ENV = "IMPRESS_REMOTE_SECRET"     # the pool's shared secret, where no flag gives one
+_LOOPBACK_NAMES = ("localhost", "localhost.", "ip6-localhost")
+
+
+def _loopback_host(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]").lower()
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False      # a name is not looked up: it may point anywhere
+
+
+def is_loopback(url: str) -> bool:
+    """Whether the pool at `url` is on this machine (a unix socket, or every host a
+    loopback address or localhost): only this machine's users can write to it then."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "unix":
+        return True
+    if is_cluster(url):
+        return all(_loopback_host(host) for host, _ in cluster_nodes(url)[0])
+    return bool(parts.hostname) and _loopback_host(parts.hostname)
+
+
+def check_pool_trust(url: str | None, secret: str | None, insecure: bool) -> None:
+    """Refuse a pool another machine can write to when its values carry no HMAC (no shared
+    secret), unless the operator said so: whoever can write to it could change answers."""
+    if url is None or secret or insecure or is_loopback(url):
+        return
+    raise UserError(f"--remote-tier {redact_url(url)} is not on this machine and has no "
+                    f"--remote-secret (or {SECRET_ENV}): anyone able to write to it could "
+                    "change answers; give a secret shared by the pool's servers, or "
+                    "--remote-insecure to use it unauthenticated")
