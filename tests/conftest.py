@@ -29,6 +29,8 @@ SLOW_TESTS = {
     "tests/test_cli.py::test_verify_bad_input_is_one_line_exit_2",
     "tests/test_cli_refusals.py::test_sigterm_exits_through_the_cleanup",
     "tests/test_compat.py::test_disk_threads_never_hang_exit",
+    "tests/test_compression.py::test_4bit_weights_in_flexgens_loop_at_every_placement",
+    "tests/test_compression.py::test_4bit_kv_cache_in_flexgens_loop",
     "tests/test_compat.py::test_raw_flexgen_disk_threads_would_hang_exit",
     "tests/test_compat.py::test_unpatched_flexgen_fails_on_cpu_as_documented",
     "tests/test_concurrency.py::test_store_serves_exact_kv_under_concurrent_requests",

@@ -2,6 +2,7 @@
 that cannot fit is refused in one line before anything is written."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,7 +152,7 @@ def test_the_main_job_refuses_a_model_too_big_before_writing_anything(monkeypatc
                                                                       capsys):
     store, off = tmp_path / "stores", tmp_path / "off"
     monkeypatch.setattr(pl, "machine_resources",
-                        lambda root: _resources(ram_gib=16, disk_gib=40, root=str(root)))
+                        lambda root, *caps: _resources(ram_gib=6, disk_gib=10, root=str(root)))
     rc = run.run_main("run", run.main, ["--model", "opt-30b", "--quick", "--store-dir",
                                         str(store), "--offload-dir", str(off)])
     out = capsys.readouterr()
@@ -183,10 +184,11 @@ def test_opt_30b_starts_and_answers_within_seconds(tmp_path):
     """As a user types it, on whatever machine runs the tests: the plan (or a one-line
     refusal) comes before any weight is made; killed then, nothing stays behind."""
     off = tmp_path / "off"
+    env = {**os.environ, "IMPRESS_FLEXGEN_CACHE": str(tmp_path / "cache")}
     child = subprocess.Popen(
         [sys.executable, "-m", "impress_flexgen.run", "--model", "opt-30b", "--quick",
          "--max-new-tokens", "1", "--offload-dir", str(off), "--store-dir", str(tmp_path / "s")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         first = child.stdout.readline()
         if first:  # it fits here: the plan came first

@@ -66,7 +66,9 @@ def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
     """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
     the weights' content, the compute and KV dtypes, the chunk size and the layout."""
     m = FamilyMath(spec)
-    digest = getattr(spec, "weights_digest", "")
+    digest = getattr(spec, "identity", None)
+    if digest is None:
+        digest = getattr(spec, "weights_digest", "")
     fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
         if digest else ""
     return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)

@@ -23,6 +23,7 @@ def serve_workload(rt, args, root: Path) -> int:
     and a sample, write --json."""
     from tqdm import tqdm
 
+    from .. import progress
     from ..config import GB, ServiceConfig
     from ..serving import kv_bytes_per_token, run_workload
     from ..store_root import _store_name
@@ -52,9 +53,9 @@ def serve_workload(rt, args, root: Path) -> int:
     print(config.plan_line())
     reference = {} if args.check else None
     results, sample = [], {}
-    # disable=None: no progress bar when stderr is not a terminal (logs, pipes).
-    with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req",
-              disable=None) as bar:
+    # Requests served, with their rate and the time left (a large model takes minutes
+    # per request); IMPRESS_FLEXGEN_PROGRESS=0 silences it.
+    with progress.bar(len(names) * len(wl.queries), "requests", unit="req") as bar:
         for name in names:
             config = configs[name]
             store_dir = root / _store_name(name, config.run)
