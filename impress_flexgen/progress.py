@@ -92,6 +92,11 @@ def bar(total: float, what: str, unit: str = "B"):
     from tqdm import tqdm
 
     scale = unit == "B"
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    # A log file gets a line every 10 s rather than a redraw twice a second.
     return tqdm(total=total, desc=PREFIX + what, unit=unit, unit_scale=scale,
                 unit_divisor=1024 if scale else 1000, file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5, disable=not enabled(), leave=True)
+                mininterval=0.5 if tty else 10, disable=not enabled(), leave=True)

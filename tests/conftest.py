@@ -18,6 +18,7 @@ os.environ["IMPRESS_FLEXGEN_PROGRESS"] = "0"
 # on the 2-core machine); whole modules where a module fixture carries the cost.
 SLOW_MODULES = {"tests/test_accuracy.py", "tests/test_crash_test.py", "tests/test_verify.py"}
 SLOW_TESTS = {
+    "tests/test_experiments.py::test_compression_fidelity_compares_every_format_with_fp32",
     "tests/test_batching.py::test_batched_equals_alone_at_full_retention",
     "tests/test_bench_io.py::test_bench_io_quick",
     "tests/test_bench_remote.py::test_bench_remote_tiny",

@@ -142,6 +142,29 @@ def test_a_decompressed_weight_still_held_is_never_overwritten():
     assert torch.equal(c, b)
 
 
+def test_a_small_tensor_is_worked_on_one_thread_a_large_one_on_all(monkeypatch):
+    """A small layer's passes end before a second CPU thread joins; the caller's count is
+    restored after either."""
+    seen = []
+    for name in ("_compress", "_decompress"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _real=real: (
+            seen.append(torch.get_num_threads()), _real(*a))[1])
+    monkeypatch.setattr(quant, "ONE_THREAD_BELOW", 64 * 64 * 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (64, 256):       # 4,096 values: one thread; 16,384: every thread
+            x = torch.randn(rows, 64)
+            data, scale = quant.compress(x, 64, 0)
+            got = quant.decompress(data, scale, x.shape, 64, 0, torch.float32)
+            assert float((got - x).abs().max()) < 0.5
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 2, 2]
+
+
 def _generate(model, new_tokens=5, **cfg):
     with Runtime(RuntimeConfig(model=model, **cfg)) as rt:
         return rt.generate([PROMPT], new_tokens, record_logits=True)

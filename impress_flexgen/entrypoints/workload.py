@@ -123,3 +123,7 @@ def print_summary(results, check: bool) -> None:
     print("(seconds per request; TTFT parts: radix match, probe-key load, selection, KV load "
           f"through the tiers, compute; {plans}: how the queries with a stored prefix were "
           "served)")
+    rates = [f"{r['label']} {r['decode_s_per_token']:.3f} s ({1 / r['decode_s_per_token']:.2f} "
+             "tokens/s)" for r in results if r.get("decode_s_per_token")]
+    if rates:
+        print(f"decode, per token after the first: {'; '.join(rates)}")
