@@ -3,7 +3,8 @@
     [probe section][K chunk 0][K chunk 1]...[V chunk 0][V chunk 1]...
 
 - A chunk holds C consecutive (physical) tokens of one layer, all KV heads, head-major
-  ((heads, C, head_dim), so one head's keys are contiguous), fp16. Aligned layout: every
+  ((heads, C, head_dim), so one head's keys are contiguous), in the store's KV format
+  (KV_FORMATS: fp32, fp16 or bf16; one format per store, in its metadata). Aligned layout: every
   chunk starts on a 4 KiB boundary and is padded to a multiple of 4 KiB, so any run of
   adjacent chunks is one O_DIRECT read. Packed layout (chosen when a chunk is not a whole
   number of pages, e.g. 16 tokens x 3 heads x 64 dims = 6 KiB): chunks follow each other
@@ -27,6 +28,36 @@ import torch
 ALIGN = 4096
 INT4_GROUP = 32
 
+# How stored K and V values are kept, by the name a store records (`--kv-format`). A store
+# made before stores recorded their format holds fp16.
+KV_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16,
+                                      "bf16": torch.bfloat16}
+LEGACY_KV_FORMAT = "fp16"
+
+
+def kv_dtype_name(fmt: str) -> str:
+    """The dtype name of a KV format's values ("float32", "float16", "bfloat16")."""
+    return str(KV_FORMATS[fmt]).removeprefix("torch.")
+
+
+def kv_format_of(dtype) -> str:
+    """The KV format that holds `dtype`'s values as they are (a torch or numpy dtype, or
+    its name)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    formats = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+    if name not in formats:
+        raise ValueError(f"no KV format holds {name} values")
+    return formats[name]
+
+
+def kv_format_lossless(fmt: str, compute_dtype) -> bool:
+    """Does `fmt` give back exactly the values computed in `compute_dtype`? (fp32 holds
+    fp16 and bf16 values; fp16 and bf16 hold only their own.)"""
+    return fmt == "fp32" or fmt == kv_format_of(compute_dtype)
+
 
 def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -47,6 +78,12 @@ class LayerFileLayout:
     n_probe: int
     probe_format: str  # "fp16" | "int4"
     packed: bool = False
+    kv_format: str = LEGACY_KV_FORMAT   # a KV_FORMATS name
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of a chunk's values as they lie in the file."""
+        return KV_FORMATS[self.kv_format]
 
     @property
     def n_chunks(self) -> int:
@@ -55,7 +92,7 @@ class LayerFileLayout:
     @property
     def chunk_bytes(self) -> int:
         """Payload of one chunk (without padding)."""
-        return self.n_kv_heads * self.chunk_size * self.head_dim * 2
+        return self.n_kv_heads * self.chunk_size * self.head_dim * self.kv_dtype.itemsize
 
     @property
     def chunk_stride(self) -> int:
@@ -147,12 +184,13 @@ def probe_supported(n_probe: int, n_tokens: int, head_dim: int) -> bool:
 # Chunks
 
 def section_image(kv: torch.Tensor, layout: LayerFileLayout) -> tuple[np.ndarray, list[int]]:
-    """kv: (heads, n_tokens, head_dim) fp16 in physical order -> the bytes of its K (or V)
-    section, every chunk at its offset (padding zeroed), and each chunk's CRC-32. Built in
-    one copy, so a file is written with one write per section."""
+    """kv: (heads, n_tokens, head_dim) in physical order -> the bytes of its K (or V)
+    section in the layout's KV format, every chunk at its offset (padding zeroed), and each
+    chunk's CRC-32. Built in one copy, so a file is written with one write per section."""
     n, c, size = layout.n_chunks, layout.chunk_size, layout.chunk_bytes
     heads, _, d = kv.shape
-    chunks = kv[:, :n * c].reshape(heads, n, c, d).transpose(0, 1).contiguous()
+    chunks = kv[:, :n * c].to(layout.kv_dtype).reshape(heads, n, c, d).transpose(0, 1) \
+        .contiguous()
     payload = chunks.view(torch.uint8).reshape(n, size).numpy()
     image = np.zeros(layout.section_bytes, dtype=np.uint8)
     image[:n * layout.chunk_stride].reshape(n, layout.chunk_stride)[:, :size] = payload

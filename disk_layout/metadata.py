@@ -6,8 +6,10 @@ any point leaves either the old or the new version visible, never a half-written
 Every hard-state row carries a CRC32 of its fields, checked on each read together with
 the row's shape (lengths, permutation, file name), so a damaged row is reported invalid
 instead of returning wrong KV. Soft state (accumulated importance, per-chunk importance
-bitmaps, 16-bit access counters, 8-bit important ratios) is flushed periodically and not
-checksummed: losing or damaging some of it costs a less informed reorder, never KV.
+bitmaps, 16-bit access counters, 8-bit important ratios) is flushed periodically; only the
+importance carries its own CRC: losing or damaging any of it costs a less informed reorder,
+never KV. Per-token fields are compact (metadata_codec): a reordered layer's metadata is
+a few bits per token, well under 0.5% of its KV even for a small model.
 
 Node ids come from a persisted counter (meta `next_node_id`), never from SQLite's rowid
 allocation, so an id is never handed out twice: caches keyed by node id cannot confuse a
@@ -25,13 +27,19 @@ import numpy as np
 # The errors and the rows are part of this module's interface.
 from .metadata_errors import (MetadataError, MetadataFull, MetadataIOError,  # noqa: F401
                               MetadataReadOnly, _Guard, _one_line, _translatable, _translate)
+from .metadata_codec import decode_mapping
+from .metadata_migration import compact_layer_rows
 from .metadata_rows import (_NAMESPACE, LayerRow, NodeRow, _blob, _check_layer,  # noqa: F401
-                            _soft_state, layer_crc, mapping_blob, mapping_from_blob, node_crc,
+                            _soft_state, importance_blob, layer_crc, mapping_blob, node_crc,
                             valid_file_name)
 
 log = logging.getLogger("impress_flexgen.metadata")
 
-SCHEMA_VERSION = 3      # 3: nodes carry `exact` and `namespace`
+SCHEMA_VERSION = 4      # 3: nodes carry `exact` and `namespace`; 4: compact mapping and
+                        # importance (metadata_codec)
+# The WAL is cut back to this after a checkpoint: it holds a burst of writes (a reorder
+# pass), not the store's metadata, and must not stay on disk at its high-water mark.
+JOURNAL_SIZE_LIMIT = 1 << 20
 
 _TABLES = {
     "meta": """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
@@ -51,9 +59,9 @@ _TABLES = {
     layer INTEGER NOT NULL,
     version INTEGER NOT NULL,
     file TEXT NOT NULL,
-    mapping BLOB,                -- uint16/int32 physical -> logical token order; NULL: identity
+    mapping BLOB,                -- physical -> logical token order (metadata_codec); NULL: identity
     crcs BLOB NOT NULL,          -- uint32: probe section, K chunks, V chunks
-    importance BLOB,             -- float16 accumulated importance per logical token
+    importance BLOB,             -- accumulated importance per logical token, a byte each
     bitmaps BLOB,                -- per physical chunk, 1 bit per token: selected last time
     access BLOB,                 -- uint16 per physical chunk
     ratio BLOB,                  -- uint8 per physical chunk: important tokens / C * 255
@@ -99,6 +107,7 @@ class Metadata:
                 if self._inspect_schema():
                     self.db.execute("PRAGMA journal_mode=WAL")
                     self.db.execute("PRAGMA synchronous=FULL")
+                    self.db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
                     self._prepare_schema()
         except BaseException:
             if self.db is not None:
@@ -146,7 +155,7 @@ class Metadata:
         return True
 
     def _prepare_schema(self) -> None:
-        """Create missing tables and migrate schemas 1 and 2, in one transaction."""
+        """Create missing tables and migrate schemas 1 to 3, in one transaction."""
         tables = {name for (name,) in self.db.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table'")}
         need_tables = set(_TABLES) - tables
@@ -154,7 +163,7 @@ class Metadata:
                     self._columns(t)]
         need_cols = [c for c in _NODE_COLUMNS_3 if "nodes" in tables
                      and c not in self._columns("nodes")]
-        old_schema = "meta" in tables and self._meta_value("schema") in (1, 2)
+        old_schema = "meta" in tables and self._meta_value("schema") in (1, 2, 3)
         if not need_tables and not need_crc and not need_cols and not old_schema:
             return
         with self.transaction():
@@ -177,6 +186,8 @@ class Metadata:
                     [(layer_crc(node, layer, version, file, mapping, crcs), node, layer)
                      for node, layer, version, file, mapping, crcs in self.db.execute(
                          "SELECT node, layer, version, file, mapping, crcs FROM layers")])
+            if old_schema and "layers" in tables:
+                compact_layer_rows(self.db)
             if old_schema or (not self._is_empty()
                               and self._meta_value("next_node_id") is None):
                 values = {}
@@ -325,8 +336,8 @@ class Metadata:
                 "INSERT OR REPLACE INTO layers (node, layer, version, file, mapping, crcs, "
                 "importance, bitmaps, access, ratio, crc) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (row.node, row.layer, row.version, row.file, mapping, crcs,
-                 _blob(None if row.importance is None else row.importance.astype(np.float16)),
-                 _blob(row.bitmaps), _blob(row.access), _blob(row.ratio),
+                 importance_blob(row.importance), _blob(row.bitmaps), _blob(row.access),
+                 _blob(row.ratio),
                  layer_crc(row.node, row.layer, row.version, row.file, mapping, crcs)))
 
     def layers(self, node: int, n_tokens: int, n_crcs: int | None = None) -> list[LayerRow]:
@@ -341,7 +352,7 @@ class Metadata:
             problem = _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens,
                                    n_crcs)
             if problem is None:
-                mapping_arr = mapping_from_blob(mapping, n_tokens)
+                mapping_arr = None if mapping is None else decode_mapping(mapping, n_tokens)[0]
                 crcs_arr = np.frombuffer(crcs, dtype=np.uint32).copy()
             else:
                 mapping_arr = None
@@ -360,7 +371,7 @@ class Metadata:
             self.db.executemany(
                 "UPDATE layers SET importance = ?, bitmaps = ?, access = ?, ratio = ? "
                 "WHERE node = ? AND layer = ?",
-                [(imp.astype(np.float16).tobytes(), bm.tobytes(), acc.tobytes(),
+                [(importance_blob(imp), bm.tobytes(), acc.tobytes(),
                   ratio.tobytes(), node, layer) for node, layer, imp, bm, acc, ratio in rows])
 
     def referenced_files(self) -> set[str]:

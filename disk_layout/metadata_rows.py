@@ -1,6 +1,6 @@
 """The metadata's rows and their checks: every hard-state row carries a CRC-32 of its
-fields, checked with its shape (lengths, permutation, file name) on each read; soft state
-comes back only where its sizes fit."""
+fields, checked with its shape (mapping encoding, permutation, file name) on each read;
+soft state comes back only where its importance checksum and its sizes fit."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,9 @@ import struct
 import zlib
 
 import numpy as np
+
+from .metadata_codec import (decode_importance, decode_mapping, encode_importance,
+                             encode_mapping)
 
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.kv")
 _NAMESPACE = re.compile(r"(?:[0-9a-f]{32})?")
@@ -63,20 +66,12 @@ def _blob(arr: np.ndarray | None):
     return None if arr is None else arr.tobytes()
 
 
-def _mapping_dtype(n_tokens: int):
-    return np.uint16 if n_tokens < 65536 else np.int32
-
-
 def mapping_blob(mapping: np.ndarray | None):
-    if mapping is None:
-        return None
-    return mapping.astype(_mapping_dtype(len(mapping))).tobytes()
+    return None if mapping is None else encode_mapping(mapping)
 
 
-def mapping_from_blob(blob, n_tokens: int) -> np.ndarray | None:
-    if blob is None:
-        return None
-    return np.frombuffer(blob, dtype=_mapping_dtype(n_tokens)).astype(np.int64)
+def importance_blob(importance: np.ndarray | None):
+    return None if importance is None else encode_importance(importance)
 
 
 def _crc_bytes(*parts) -> int | None:
@@ -114,16 +109,6 @@ def layer_crc(node, layer, version, file, mapping, crcs) -> int | None:
     return _crc_bytes(node, layer, version, file, b"" if mapping is None else mapping, crcs)
 
 
-def _is_permutation(m: np.ndarray, n: int) -> bool:
-    if len(m) != n:
-        return False
-    if n == 0:
-        return True
-    if m.min() < 0 or m.max() >= n:
-        return False
-    return bool((np.bincount(m, minlength=n) == 1).all())
-
-
 def _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens: int,
                  n_crcs: int | None) -> str | None:
     """Why the hard state of a layer row cannot be trusted, or None."""
@@ -138,11 +123,9 @@ def _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens: int,
     if not valid_file_name(file):
         return f"bad file name {file!r}"
     if mapping is not None:
-        width = np.dtype(_mapping_dtype(n_tokens)).itemsize
-        if len(mapping) != n_tokens * width:
-            return f"mapping of {len(mapping)} bytes for {n_tokens} tokens"
-        if not _is_permutation(mapping_from_blob(mapping, n_tokens), n_tokens):
-            return "mapping is not a permutation of the node's tokens"
+        problem = decode_mapping(mapping, n_tokens)[1]
+        if problem is not None:
+            return problem
     if len(crcs) % 4:
         return f"crcs blob of {len(crcs)} bytes"
     if n_crcs is not None and len(crcs) // 4 != n_crcs:
@@ -152,17 +135,18 @@ def _check_layer(node, layer, version, file, mapping, crcs, crc, n_tokens: int,
 
 def _soft_state(imp, bitmaps, access, ratio, n_tokens: int):
     """(importance f32, bitmaps u8, access u16, ratio u8), all None unless every blob is
-    present and their lengths agree with each other and with n_tokens."""
+    present, the importance decodes (its checksum included) and the lengths agree with
+    each other and with n_tokens."""
     blobs = (imp, bitmaps, access, ratio)
     if any(not isinstance(b, bytes) for b in blobs):
         return None, None, None, None
+    importance = decode_importance(imp, n_tokens)
     n_chunks = len(access) // 2
-    ok = (len(imp) == 2 * n_tokens and len(access) % 2 == 0 and n_chunks > 0
+    ok = (importance is not None and len(access) % 2 == 0 and n_chunks > 0
           and n_tokens % n_chunks == 0 and (n_tokens // n_chunks) % 8 == 0
           and len(ratio) == n_chunks and len(bitmaps) == n_tokens // 8)
     if not ok:
         return None, None, None, None
-    return (np.frombuffer(imp, dtype=np.float16).astype(np.float32),
-            np.frombuffer(bitmaps, dtype=np.uint8).copy(),
+    return (importance, np.frombuffer(bitmaps, dtype=np.uint8).copy(),
             np.frombuffer(access, dtype=np.uint16).copy(),
             np.frombuffer(ratio, dtype=np.uint8).copy())

@@ -13,7 +13,7 @@ EXTERNAL = {"scoring_stall": ("experiments.abuse_scoring", "scoring_stall"),
             "logits_memory": ("experiments.abuse_scoring", "logits_memory"),
             "unauthenticated_pool": ("experiments.abuse_store", "unauthenticated_pool"),
             "fingerprint_edit": ("experiments.abuse_store", "fingerprint_edit"),
-            "stored_vs_computed_logprobs": ("experiments.abuse_store",
+            "stored_vs_computed_logprobs": ("experiments.abuse_exact",
                                             "stored_vs_computed_logprobs")}
 
 

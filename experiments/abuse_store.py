@@ -124,15 +124,16 @@ def _forge(url: str, namespace, prefix, how: str, seed: int) -> int:
     n = 0
     for h in chunk_hashes(namespace, prefix):
         for layer in range(namespace.n_layers):
-            payload = torch.zeros(namespace.value_shape, dtype=torch.float16) if how == "zeros" \
-                else torch.randn(namespace.value_shape, generator=g).half()
+            payload = torch.zeros(namespace.value_shape, dtype=namespace.torch_dtype) \
+                if how == "zeros" else \
+                torch.randn(namespace.value_shape, generator=g).to(namespace.torch_dtype)
             client.set(layer_key(h, layer), encode_value(payload, namespace, h, layer))
             n += 1
     client.close()
     return n
 
 
-def unauthenticated_pool(quick: bool) -> dict:
+def unauthenticated_pool(quick: bool, workdir=None) -> dict:
     """One forgery quick (zeros), three otherwise (zeros, noise, zeros over other prompts)."""
     from impress_flexgen.engine import Request, start_engine
     from impress_flexgen.runtime import Runtime, RuntimeConfig
@@ -143,7 +144,7 @@ def unauthenticated_pool(quick: bool) -> dict:
         return {"passed": False, "skipped": "redis-server not found"}
     forgeries = ("zeros",) if quick else ("zeros", "noise", "zeros")
     rounds, problems = [], []
-    with tempfile.TemporaryDirectory(prefix="abuse-pool-") as tmp, \
+    with tempfile.TemporaryDirectory(prefix="abuse-pool-", dir=workdir) as tmp, \
             _env("IMPRESS_REMOTE_SECRET", None), RedisServer(binary) as server:
         tmp = Path(tmp)
         rt = Runtime(RuntimeConfig(model=MODEL, offload_dir=str(tmp / "off")))
@@ -260,12 +261,12 @@ def _store_root(rt) -> Path:
     return StoreOptions().root_for(model_shape(rt.spec, CHUNK))
 
 
-def fingerprint_edit(quick: bool) -> dict:
+def fingerprint_edit(quick: bool, workdir=None) -> dict:
     """Both edits, quick or not: each is one conversion and a few requests of a tiny model."""
     prefix, query = _prompt(900, 12 * CHUNK + 3, 1024), _prompt(901, 5, 1024)
     problems: list[str] = []
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="abuse-weights-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="abuse-weights-", dir=workdir) as tmp:
         tmp = Path(tmp)
         with _env("IMPRESS_FLEXGEN_CACHE", str(tmp / "cache")):
             ckpt = _checkpoint(tmp / "tiny-llama")

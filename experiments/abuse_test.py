@@ -40,8 +40,8 @@ membership_usage in one namespace (no key, no salt), a right and a wrong guess o
 Classes checked in modules of their own, imported when they run (experiments.abuse_external):
 
     experiments.abuse_scoring   scoring_stall, logits_memory
-    experiments.abuse_store     unauthenticated_pool, fingerprint_edit,
-                                stored_vs_computed_logprobs
+    experiments.abuse_store     unauthenticated_pool, fingerprint_edit
+    experiments.abuse_exact     stored_vs_computed_logprobs
 
 each a function `NAME(quick: bool, workdir: pathlib.Path) -> dict`, called with keywords:
 `workdir` an empty temporary folder of its own (removed afterwards), `quick` true in a

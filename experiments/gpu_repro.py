@@ -527,7 +527,7 @@ def _kv_per_token(spec) -> int:
     from impress_flexgen.engine import model_shape
 
     s = model_shape(spec)
-    return 2 * s.n_layers * s.n_kv_heads * s.head_dim * 2
+    return s.n_layers * s.kv_bytes_per_token_layer        # as stored (the compute dtype)
 
 
 def _skip(result: dict, model: str, rows, reason: str) -> None:

@@ -10,8 +10,8 @@ that owns it:
     config = ServiceConfig(model="smollm2-135m", store_root="/srv/stores")
     config.runtime.model, config.store.root, config.tiers.gpu_bytes
 
-What shapes a store's files (chunk size, probe format) is the RunConfig's (store_options());
-the store's own format record is store.StoreConfig.
+What shapes a store's files (chunk size, probe and KV formats) is the RunConfig's
+(store_options()); the store's own format record is store.StoreConfig and its ModelShape.
 """
 from __future__ import annotations
 
@@ -77,12 +77,16 @@ class RunConfig:
     probe_every: int = 1                 # see ServingConfig
     prefetch: bool = False               # see ServingConfig
     plan: str = "load"                   # see ServingConfig: load, recompute, both or auto
+    # How the store keeps K and V (disk_layout.format.KV_FORMATS); None: the compute dtype,
+    # so that stored KV is the computed KV bit for bit. Any other format is inexact: an
+    # exact policy recomputes what such a store holds.
+    kv_format: str | None = None
 
     def store_options(self) -> dict:
         """The knobs of this row that shape its store (open_store keyword arguments)."""
         return {"chunk_size": self.chunk_size, "probe_format": self.probe_format,
                 "reorder_hot_fraction": self.reorder_hot_fraction,
-                "reorder_by": self.reorder_by}
+                "reorder_by": self.reorder_by, "kv_format": self.kv_format}
 
     def serving(self) -> ServingConfig:
         return ServingConfig(retention=self.retention, granularity=self.granularity,
@@ -198,7 +202,8 @@ class ServiceConfig:
             probe_format=args.probe_format, chunk_size=args.chunk_size,
             reorder_hot_fraction=args.reorder_hot_fraction, reorder_by=args.reorder_by,
             probe_queries=args.probe_queries, probe_stride=args.probe_stride,
-            probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan)
+            probe_every=args.probe_every, prefetch=args.prefetch, plan=args.plan,
+            kv_format=getattr(args, "kv_format", None))
         gpu, cpu = (default if gb is None else int(gb * GB) for gb, default in
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
         check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),

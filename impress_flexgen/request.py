@@ -101,11 +101,15 @@ class RequestStats:
     def kv_bytes_loaded(self) -> int:
         return sum(self.bytes_read.values())
 
-    def timer(self, name: str, exclude: tuple[str, ...] = ()) -> "_Timer":
+    def timer(self, name: str, exclude: tuple[str, ...] = (), sync=None) -> "_Timer":
         """`with stats.timer("load_s"):` adds the block's seconds to the stat `name` (also
         when it raises), less what the block added meanwhile to the stats in `exclude`
-        (time already counted there)."""
-        return _Timer(self, name, exclude)
+        (time already counted there). `sync`: the device the block queues work on; a CUDA
+        device is waited for when the clock starts and before it stops (kernels run
+        asynchronously: work queued before the block is not its own, its own is done only
+        then)."""
+        return _Timer(self, name, exclude,
+                      sync if sync is not None and sync.type == "cuda" else None)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -115,17 +119,21 @@ class RequestStats:
 
 
 class _Timer:
-    __slots__ = ("stats", "name", "exclude", "t0", "before")
+    __slots__ = ("stats", "name", "exclude", "sync", "t0", "before")
 
-    def __init__(self, stats: RequestStats, name: str, exclude: tuple[str, ...]):
-        self.stats, self.name, self.exclude = stats, name, exclude
+    def __init__(self, stats: RequestStats, name: str, exclude: tuple[str, ...], sync=None):
+        self.stats, self.name, self.exclude, self.sync = stats, name, exclude, sync
 
     def __enter__(self) -> "_Timer":
+        if self.sync is not None:
+            torch.cuda.synchronize(self.sync)
         self.before = sum(getattr(self.stats, e) for e in self.exclude)
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.sync is not None:
+            torch.cuda.synchronize(self.sync)
         elapsed = time.perf_counter() - self.t0
         if self.exclude:
             elapsed -= sum(getattr(self.stats, e) for e in self.exclude) - self.before

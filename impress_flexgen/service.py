@@ -117,15 +117,18 @@ class Service:
         if runtime is None:
             rcfg = config.runtime_config()
             spec = resolve_spec(rcfg)
-            root = config.store.root_for(model_shape(spec, run.chunk_size))
+            shape = model_shape(spec, run.chunk_size, run.kv_format)
+            root = config.store.root_for(shape)
             claim_store_root(root)
             runtime = Runtime(rcfg, spec=spec, tokenizer=tokenizer)
         else:
-            root = config.store.root_for(model_shape(runtime.spec, run.chunk_size))
+            shape = model_shape(runtime.spec, run.chunk_size, run.kv_format)
+            root = config.store.root_for(shape)
             claim_store_root(root)
         self.rt = runtime
         self.policy = make_serving_policy(run.policy, run.serving(), run.tier_policy)
-        self.store_dir = root / _store_name(run.policy, run) if self.policy.reuse else None
+        self.store_dir = root / _store_name(run.policy, run, shape.kv_format) \
+            if self.policy.reuse else None
         store_spec = None if self.store_dir is None else StoreSpec(
             self.store_dir, **config.store.open_options(), **run.store_options())
         stack = assemble(runtime, self.policy, store_spec, config.tiers)

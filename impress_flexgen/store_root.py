@@ -25,9 +25,12 @@ def claim_store_root(root: Path) -> None:
         raise UserError(f"cannot use --store-dir {root}: {exc.strerror or exc}") from None
 
 
-def _store_name(policy: str, args) -> str:
+def _store_name(policy: str, args, kv_format: str = "fp16") -> str:
     """Policies that can share a store layout share nothing else: one store each, named by
-    what shapes its files (chunk size, probe format) and by whether it is reordered; v2:
-    chunks packed when they are not whole pages (stores of the aligned layout stay apart)."""
+    what shapes its files (chunk size, probe format, KV format: the store's ModelShape's)
+    and by whether it is reordered; v2: chunks packed when they are not whole pages (stores
+    of the aligned layout stay apart). fp16 KV, the only format before there were others,
+    is not named: its stores keep their names."""
     layout = "-semantic" if getattr(args, "reorder_by", "importance") == "semantic" else ""
-    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}-v2{layout}"
+    kv = "" if kv_format == "fp16" else f"-kv{kv_format}"
+    return f"{policy.replace(':', '-')}-c{args.chunk_size}-{args.probe_format}{kv}-v2{layout}"

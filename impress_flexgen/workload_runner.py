@@ -34,9 +34,11 @@ log = logging.getLogger("impress_flexgen.serving")
 PLAN_KINDS = tuple(p for p in PLANS if p != "auto")   # what a request's plan turns out to be
 
 
-def kv_bytes_per_token(runtime: Runtime) -> int:
-    shape = model_shape(runtime.spec)
-    return 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * 2
+def kv_bytes_per_token(runtime: Runtime, kv_format: str | None = None) -> int:
+    """Stored bytes of one token's K and V over all layers, in `kv_format` (None: the
+    compute dtype's, the default store format)."""
+    shape = model_shape(runtime.spec, kv_format=kv_format)
+    return shape.n_layers * shape.kv_bytes_per_token_layer
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:

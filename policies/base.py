@@ -132,8 +132,15 @@ class ProbeKeys:
     segment. Scoring runs over the columns as stored and maps the scores back to logical
     positions: a (heads, n) gather of scores instead of a (heads, n, d) gather of keys."""
 
-    keys: torch.Tensor                      # (n_probe_kv, columns, d) float32
+    keys: torch.Tensor                      # (n_probe_kv, columns, d) float32, where scored
     column_of: np.ndarray | None = None     # logical prefix position -> column; None: same
+    _columns: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    def columns(self) -> torch.Tensor:
+        """`column_of` as an index on the keys' device (made once)."""
+        if self._columns is None:
+            self._columns = torch.from_numpy(self.column_of).to(self.keys.device)
+        return self._columns
 
     def dead_columns(self) -> np.ndarray | None:
         """Columns holding no prefix token (past a segment's used tokens), or None."""
@@ -147,14 +154,18 @@ class ProbeKeys:
         """(n_probe_kv, n, d) keys in logical order."""
         if self.column_of is None:
             return self.keys
-        return self.keys[:, torch.from_numpy(self.column_of)]
+        return self.keys[:, self.columns()]
 
 
 @dataclasses.dataclass
 class LayerContext:
+    """Selection runs on the device the queries are on (the compute device): the probe keys
+    and any keys a policy loads are moved there, and only its results come back to the host,
+    in one transfer (`to_host`)."""
+
     layer: int
     q: torch.Tensor                 # (H, s, d) float32 queries of the new tokens
-    k_new: torch.Tensor             # (KV, s, d) float32 keys of the new tokens
+    k_new: torch.Tensor             # (KV, s, d) float32 keys of the new tokens, same device
     segments: list[Segment]
     config: ServingConfig
     probe_heads: tuple[int, ...]    # query heads that probe
@@ -165,6 +176,10 @@ class LayerContext:
     # Leading prefix tokens recomputed in this pass (the "both" plan): the new tokens attend
     # all of them, so a policy that keeps_front counts them as kept and selects among the rest.
     front: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
 
     @property
     def n_prefix(self) -> int:
@@ -236,6 +251,45 @@ class ServingPolicy:
 
     def describe(self) -> dict:
         return {"policy": self.name, "tier_policy": self.tier_policy, "reorder": self.reorder}
+
+
+def to_host(*tensors: torch.Tensor | None) -> list[np.ndarray | None]:
+    """Selection results (bool, integer or float tensors of any shape; None passes through)
+    as host arrays of their own dtypes, in one copy from the device: one synchronisation per
+    layer, not one per result. On the host they are handed over as they are."""
+    real = [t for t in tensors if t is not None]
+    if all(t.device.type == "cpu" for t in real):
+        return [None if t is None else t.numpy() for t in tensors]
+    # float64 holds every float32, bool and index value exactly.
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in real]).cpu().numpy()
+    out, at = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        part = flat[at:at + t.numel()].reshape(tuple(t.shape))
+        out.append(part.astype(str(t.dtype).removeprefix("torch.")))
+        at += t.numel()
+    return out
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Is a the device b (an index left out means the current one: "cuda" is "cuda:0")?"""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def join_chunks(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Loaded chunks (KV, c_i, d), concatenated along tokens on `device`. A GPU tier's copies
+    are there already; those in host memory (CPU tier, disk) go over in one copy."""
+    host = [i for i, c in enumerate(chunks) if not same_device(c.device, device)]
+    if host:
+        moved = torch.cat([chunks[i] for i in host], dim=1).to(device)
+        if len(host) == len(chunks):
+            return moved
+        chunks = list(chunks)
+        for i, part in zip(host, moved.split([chunks[i].shape[1] for i in host], dim=1)):
+            chunks[i] = part
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
 
 def tokens_of_chunks(seg: Segment, chunk_ids: np.ndarray, first: int = 0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerContext, LayerPlan, ServingConfig, ServingPolicy
-from .itf import (chunk_selection, mean_pairwise_jaccard, probe_scores, threshold, top_k_sets,
+from .base import LayerContext, LayerPlan, ServingConfig, ServingPolicy, to_host
+from .itf import (chunk_selection, pairwise_jaccard, probe_scores, threshold, top_k_sets,
                   vote)
 
 ABLATIONS = {"itf": ("lru", False), "itf_ro": ("lru", True), "all": ("score", True)}
@@ -56,26 +56,33 @@ class Impress(ServingPolicy):
             # logical position; each layer maps them onto its own chunk layout).
             layer, scores = self._probed
             assert layer == ctx.layer - ctx.layer % cfg.probe_every and scores.shape[1] == n
-        summed = scores.sum(0).numpy()
         test = cfg.threshold != "none" or cfg.granularity == "token"
         member = top_k_sets(scores, k) if test else None
-        jaccard = mean_pairwise_jaccard(member) if test else None
+        front = min(ctx.front, n)
+        # What this query selects of the whole prefix (recorded as its importance feedback,
+        # whatever the plan), and what it loads: with a recomputed front, the front counts
+        # as kept and the rest of the budget goes to the tokens after it. Voted before the
+        # agreement test, so that one copy brings every result of the device to the host.
+        keep = load = None
+        if cfg.granularity == "token" and k < n:
+            keep = vote(member, scores, k)
+            if front and k > front and front < n:
+                load = vote(member[:, front:], scores[:, front:], k - front)
+        summed, jaccard, keep, load = to_host(
+            scores.sum(0), pairwise_jaccard(member) if test else None, keep, load)
+        jaccard = None if jaccard is None else float(jaccard)
         if k >= n or (jaccard is not None and jaccard < threshold(cfg, k, n)):
             plan = LayerPlan.everything(ctx.segments)
             plan.fallback, plan.jaccard = k < n, jaccard
             plan.scores, plan.selected = ctx.split(summed), ctx.split(np.ones(n, bool))
             return plan
-        # What this query selects of the whole prefix (recorded as its importance feedback,
-        # whatever the plan), and what it loads: with a recomputed front, the front counts
-        # as kept and the rest of the budget goes to the tokens after it.
-        front = min(ctx.front, n)
         if cfg.granularity == "token":
-            keep = vote(member, scores, k).numpy()
-            load = keep
             if front:
-                load = np.zeros(n, dtype=bool)
-                if k > front and front < n:
-                    load[front:] = vote(member[:, front:], scores[:, front:], k - front).numpy()
+                after, load = load, np.zeros(n, dtype=bool)
+                if after is not None:
+                    load[front:] = after
+            else:
+                load = keep
             chunks = [np.unique(seg.logical_to_chunk()[sel])
                       for seg, sel in zip(ctx.segments, ctx.split(load))]
             n_kv = ctx.k_new.shape[0]

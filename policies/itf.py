@@ -23,10 +23,12 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
 
     Heads sharing a KV head are scored in one product against its keys, without copying
     the keys per head (on a CPU this product is the cost of probing); columns are scored
-    in their stored order and the scores mapped to logical positions afterwards.
+    in their stored order and the scores mapped to logical positions afterwards. Everything
+    runs in float32 on the device of the queries (the probe keys were moved there when read).
     """
     probe = ctx.read_probe()
     keys = probe.keys                                         # (n_probe_kv, columns, d)
+    device = ctx.q.device
     d = keys.shape[-1]
     s = ctx.k_new.shape[1]
     # Which new tokens' queries probe (all by default). On a CPU scoring costs about one
@@ -38,7 +40,8 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     # and costs half of exp on a CPU.
     q = q * (math.log2(math.e) / math.sqrt(d))
     column_mask = _column_mask(probe, ctx.n_pad)              # (columns,) additive, or None
-    causal = _causal_mask(s, ctx.config.probe_queries, ctx.config.probe_stride)  # (s', s)
+    causal = _causal_mask(s, ctx.config.probe_queries, ctx.config.probe_stride,
+                          device)                             # (s', s)
 
     # Probe heads by the probe KV head they read: one batch when every group is the same
     # size (the default), else one batch per group.
@@ -47,7 +50,7 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
         by_kv.setdefault(ctx.probe_kv_heads.index(h // ctx.group), []).append(i)
     groups = list(by_kv.items())
     batches = [groups] if len({len(v) for _, v in groups}) == 1 else [[g] for g in groups]
-    out = torch.empty(len(ctx.probe_heads), keys.shape[1])
+    out = torch.empty(len(ctx.probe_heads), keys.shape[1], device=device)
     for batch in batches:
         kv = [j for j, _ in batch]
         at = [i for _, heads in batch for i in heads]             # rows of `out`, in order
@@ -69,7 +72,7 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
         weights = total.reciprocal_().view(b * g, 1, sq)
         out[at] = torch.bmm(weights, probs.view(b * g, sq, -1)).view(b * g, -1)
     if probe.column_of is not None:
-        out = out[:, torch.from_numpy(probe.column_of)]
+        out = out[:, probe.columns()]
     return out
 
 
@@ -78,6 +81,7 @@ def _column_mask(probe: ProbeKeys, n_pad: int) -> torch.Tensor | None:
     dead = probe.dead_columns()
     if not n_pad and dead is None:
         return None
+    # Made on the host (a few kB) and moved in one copy.
     mask = torch.zeros(probe.keys.shape[1])
     if dead is not None:
         mask[torch.from_numpy(dead)] = float("-inf")
@@ -85,7 +89,7 @@ def _column_mask(probe: ProbeKeys, n_pad: int) -> torch.Tensor | None:
         pads = slice(0, n_pad) if probe.column_of is None else \
             torch.from_numpy(probe.column_of[:n_pad])
         mask[pads] = float("-inf")
-    return mask
+    return mask.to(probe.keys.device)
 
 
 def _probe_rows(s: int, last: int, stride: int) -> slice | None:
@@ -98,12 +102,12 @@ def _probe_rows(s: int, last: int, stride: int) -> slice | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _causal_mask(s: int, last: int, stride: int) -> torch.Tensor:
+def _causal_mask(s: int, last: int, stride: int, device: torch.device) -> torch.Tensor:
     """(probing queries, s) additive mask: each probing new token sees those before it."""
     rows = _probe_rows(s, last, stride) or slice(0, s)
-    position = torch.arange(s)[rows]
-    allowed = torch.arange(s)[None, :] <= position[:, None]
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    position = torch.arange(s, device=device)[rows]
+    allowed = torch.arange(s, device=device)[None, :] <= position[:, None]
+    return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def top_k_sets(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -114,16 +118,21 @@ def top_k_sets(scores: torch.Tensor, k: int) -> torch.Tensor:
     return member
 
 
-def mean_pairwise_jaccard(member: torch.Tensor) -> float:
+def pairwise_jaccard(member: torch.Tensor) -> torch.Tensor:
+    """Mean pairwise Jaccard of the heads' sets, a 0-dim tensor on their device."""
     if member.shape[0] < 2:
-        return 1.0
+        return torch.ones((), device=member.device)
     m = member.float()
     inter = m @ m.T
     sizes = m.sum(1)
     union = sizes[:, None] + sizes[None, :] - inter
-    pairs = torch.triu_indices(m.shape[0], m.shape[0], offset=1)
+    pairs = torch.triu_indices(m.shape[0], m.shape[0], offset=1, device=member.device)
     jac = inter[pairs[0], pairs[1]] / union[pairs[0], pairs[1]].clamp(min=1)
-    return float(jac.mean())
+    return jac.mean()
+
+
+def mean_pairwise_jaccard(member: torch.Tensor) -> float:
+    return float(pairwise_jaccard(member))
 
 
 def threshold(config: ServingConfig, k: int, n: int) -> float:
@@ -140,7 +149,7 @@ def vote(member: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
     votes = member.sum(0).double()
     summed = scores.sum(0).double()
     rank = votes * (summed.max() + 1) + summed  # lexicographic (votes, summed score)
-    keep = torch.zeros(scores.shape[1], dtype=torch.bool)
+    keep = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
     keep[rank.topk(k).indices] = True
     return keep
 

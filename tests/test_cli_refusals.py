@@ -219,12 +219,22 @@ def test_a_read_only_existing_store_is_refused(base, tmp_path, capsys):
             path.chmod(path.stat().st_mode | 0o200)
 
 
+def _impress_store_name() -> str:
+    """The name of the impress store a `--quick` run of opt-tiny opens (its KV format is
+    the compute dtype's)."""
+    from disk_layout.format import kv_format_of
+    from impress_flexgen.models import default_dtype
+
+    return run._store_name("impress", run.parse_args(["--quick"]),
+                           kv_format_of(default_dtype("opt")))
+
+
 def test_a_store_that_is_a_file_is_refused(base, tmp_path, capsys):
     """The store root is ours, but the policy's store directory in it is a regular file."""
     stores = tmp_path / "stores"
     stores.mkdir()
     (stores / run.STORE_ROOT_MARK).touch()
-    store = stores / run._store_name("impress", run.parse_args(["--quick"]))
+    store = stores / _impress_store_name()
     store.write_text("mine")
     _refused(run, [*base, "--quick", "--max-new-tokens", "1"], capsys, str(store))
     assert store.read_text() == "mine"
@@ -232,7 +242,7 @@ def test_a_store_that_is_a_file_is_refused(base, tmp_path, capsys):
 
 def test_a_corrupt_store_database_is_refused_and_kept(base, tmp_path, capsys):
     stores = tmp_path / "stores"
-    store = stores / run._store_name("impress", run.parse_args(["--quick"]))
+    store = stores / _impress_store_name()
     (store / "data").mkdir(parents=True)
     (stores / run.STORE_ROOT_MARK).touch()
     junk = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8).tobytes()

@@ -222,8 +222,8 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
                 diff = (torch.stack(resp.step_logits) - ref.logits[0]).abs().max()
                 assert diff < 1e-2, diff
             assert torch.isfinite(torch.stack(resp.step_logits)).all()
-        # Attended bytes never include pads: at most the real tokens' KV.
-        per_token = 2 * rt.spec.config.n_kv_head * rt.spec.config.head_dim * 2
+        # Attended bytes never include pads: at most the real tokens' KV (as stored).
+        per_token = store.shape.kv_bytes_per_token_layer
         assert resp.stats.bytes_needed <= len(real) * per_token * rt.spec.config.num_hidden_layers
     finally:
         store.close()

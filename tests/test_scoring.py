@@ -13,7 +13,7 @@ import httpx2
 import pytest
 import torch
 
-from experiments.abuse_scoring import scoring_stall
+from experiments.abuse_scoring import measure_scoring_stall
 from impress_flexgen.config import ServiceConfig
 from impress_flexgen.engine import Engine, Request
 from impress_flexgen.errors import ServiceError
@@ -206,7 +206,7 @@ def test_a_long_scored_prompt_with_n_4_stalls_no_one(runtime, tmp_path):
     another: each takes at most twice its time alone (both measured here)."""
     with Service(ServiceConfig(model=MODEL, store_root=tmp_path), runtime=runtime) as service, \
             background_server(service) as url:
-        got = scoring_stall(url, prompt_tokens=2000, n=4)
+        got = measure_scoring_stall(url, prompt_tokens=2000, n=4)
     assert got["scored_complete"] and got["during_s"], got
     assert got["passed"], got
 

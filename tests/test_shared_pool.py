@@ -228,7 +228,7 @@ def test_forged_value_without_the_secret_is_refused(tiny_runtimes, tmp_path, ser
     ns = writer.shared.namespace
     writer.close()
     wstore.close()
-    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
     client.set(layer_key(hashes[0], 1), encode_value(zeros, ns, hashes[0], 1, b"a guess"))
     client.set(layer_key(hashes[2], 0), encode_value(zeros, ns, hashes[2], 0))
     resp, m, _ = _read_back(rt, tmp_path, server.url, prefix, query, hashes, "pool-secret")
@@ -249,7 +249,7 @@ def test_a_pool_without_a_secret_is_used_but_never_becomes_local_state(tiny_runt
     ns = writer.shared.namespace
     writer.close()
     wstore.close()
-    zeros = torch.zeros(ns.value_shape, dtype=torch.float16)
+    zeros = torch.zeros(ns.value_shape, dtype=ns.torch_dtype)
     for h in hashes:
         for layer in range(ns.n_layers):
             client.set(layer_key(h, layer), encode_value(zeros, ns, h, layer))

@@ -7,6 +7,7 @@ engine.py     the request's steps (start, step, finish; serve does all three)
 runner.py     the prefill's layer loop over FlexGen's weight buffers
 prefix_kv.py  a layer's stored prefix KV as the policy's plan chooses it
 attention.py  new tokens over the kept prefix plus themselves
+canonical.py  an exact policy's calls of a pass: stored and recomputed KV the same bits
 family.py     the per-family layer math (OPT, Llama), the model's KV shape, probe heads
 assemble.py   the one way to build policy + store + tiers + engine (assemble)
 """

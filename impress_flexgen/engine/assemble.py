@@ -37,6 +37,7 @@ class StoreSpec:
     reorder_hot_fraction: float = 0.25
     reorder_by: str = "importance"
     read_limit_mb_s: float | None = None
+    kv_format: str | None = None         # None: the compute dtype's (model_shape)
 
 
 @dataclasses.dataclass
@@ -105,6 +106,11 @@ def start_engine(engine: Engine) -> list[str]:
     if engine.planner is not None:
         engine.planner.cost()
     warnings = []
+    store = engine.store
+    if store is not None and engine.policy.exact_reads and not store.shape.kv_exact:
+        warnings.append(f"{engine.policy.name} is exact and the store keeps "
+                        f"{store.shape.kv_format} KV, which is not the computed KV: every "
+                        "prefix is recomputed (--kv-format sets the store's format)")
     if engine.shared is not None:
         pool = engine.shared.tier
         pool.batch_exists_chunks([bytes(DIGEST_SIZE)])   # one round trip, or marked down
@@ -134,13 +140,14 @@ def open_store(directory: str | Path, runtime: Runtime, config: ServingConfig,
                policy: ServingPolicy, chunk_size: int = CHUNK_SIZE, probe_format: str = "int4",
                disk_capacity_bytes: int | None = None, reorder_interval: int = 50,
                direct_io: bool = True, reorder_hot_fraction: float = 0.25,
-               reorder_by: str = "importance", read_limit_mb_s: float | None = None
-               ) -> PrefixStore:
-    """A store shaped for `runtime`'s model, with the probe copy `config` needs."""
+               reorder_by: str = "importance", read_limit_mb_s: float | None = None,
+               kv_format: str | None = None) -> PrefixStore:
+    """A store shaped for `runtime`'s model, with the probe copy `config` needs, keeping
+    K and V in `kv_format` (None: the compute dtype's)."""
     _, probe_kv = probe_setup(runtime.spec, config)
     store_cfg = StoreConfig(chunk_size=chunk_size, probe_heads=probe_kv, probe_format=probe_format,
                             disk_capacity_bytes=disk_capacity_bytes,
                             reorder_interval=reorder_interval if policy.reorder else 0,
                             direct_io=direct_io, reorder_hot_fraction=reorder_hot_fraction,
                             reorder_by=reorder_by, read_limit_mb_s=read_limit_mb_s)
-    return PrefixStore(directory, model_shape(runtime.spec, chunk_size), store_cfg)
+    return PrefixStore(directory, model_shape(runtime.spec, chunk_size, kv_format), store_cfg)

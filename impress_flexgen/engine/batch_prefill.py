@@ -23,6 +23,7 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..request import RequestStats
+from .canonical import LaneRows, attend_lane, plan_rows
 from .readahead import ReadAhead
 
 log = logging.getLogger("impress_flexgen.batch_prefill")
@@ -40,6 +41,9 @@ class PassInput:
     n_pad: int = 0
     front_ids: tuple | list = ()
     given: object = None          # KV after the matched prefix from the shared pool
+    # Rows at positions below this go by canonical tiles (canonical.py; an exact policy's
+    # request: its prefix's last chunk boundary); 0: the request's rows as they come.
+    canonical_end: int = 0
 
 
 @dataclasses.dataclass
@@ -60,6 +64,7 @@ class PrefillJob:
     n_given: int = 0
     new_ids: list = dataclasses.field(default_factory=list)
     front: int = 0
+    canonical_end: int = 0
     learn: bool = True            # feed the planner its TTFT (not when it shared a pass)
     # after the first token:
     sampler: object = None
@@ -72,7 +77,7 @@ class PrefillJob:
         return PassInput(self.new_ids, self.matched, self.segments_nodes, self.stats,
                          n_hidden=len(self.req.query) if self.want_query_logits else 1,
                          n_pad=self.req.n_pad, front_ids=self.req.prefix[:self.front],
-                         given=self.given)
+                         given=self.given, canonical_end=self.canonical_end)
 
     def release(self, e) -> None:
         """Unpin its matched prefix (once)."""
@@ -94,12 +99,14 @@ class _Lane:
             positions = torch.cat([torch.arange(self.front, device=r.device), positions])
         self.positions = positions[None]
         self.ahead = ReadAhead(r.store, r.policy, r.math.n_layers, inp.segments_nodes,
-                               inp.stats, front=self.front, shared_probes=shared_probes)
+                               inp.stats, front=self.front, shared_probes=shared_probes,
+                               device=r.prefix.select_device)
         self.ahead.start(0)
         if inp.given is not None:
             inp.given.start(0)
         self.kept, self.new_kv = [], []
         self.lo = self.hi = 0
+        self.rows: LaneRows | None = None     # its canonical calls (plan_rows)
 
     def close(self) -> None:
         self.ahead.close()
@@ -158,9 +165,12 @@ def prefill_steps(r, inputs: list[PassInput]):
             lane.hi = lane.lo + hidden.val.data.shape[1]
         if len(parts) > 1:
             hidden.val = TorchTensor.create_from_torch(torch.cat(parts, dim=1), r.compute)
-        positions = lanes[0].positions if len(lanes) == 1 else \
-            torch.cat([lane.positions for lane in lanes], dim=1)
-        rope = r.math.rope(positions, hidden.val.data.dtype)
+        groups, rows = plan_rows([(lane.lo, lane.positions[0], lane.inp.canonical_end)
+                                  for lane in lanes], lanes[-1].hi, r.device)
+        for lane, lane_rows in zip(lanes, rows):
+            lane.rows = lane_rows
+        for group in groups:
+            group.rope = r.math.rope(group.positions, hidden.val.data.dtype)
         for layer in range(r.math.n_layers):
             # The next layer's probe keys, and the chunks it is expected to load, are read
             # while this layer computes.
@@ -168,7 +178,7 @@ def prefill_steps(r, inputs: list[PassInput]):
                 lane.ahead.start(layer + 1)
                 if lane.inp.given is not None:
                     lane.inp.given.start(layer + 1)
-            _layer(r, layer, hidden, positions, rope, lanes)
+            _layer(r, layer, hidden, groups, lanes)
             yield layer
     finally:
         for lane in lanes:
@@ -183,22 +193,47 @@ def prefill_steps(r, inputs: list[PassInput]):
     return out
 
 
-def _layer(r, layer, hidden, positions, rope, lanes) -> None:
+def _qkv(r, weights, x, groups):
+    """q, k, v of every row, one call per group (canonical.py)."""
+    if len(groups) == 1 and groups[0].index is None:
+        return r.math.qkv(weights, x, groups[0].positions, groups[0].rope)
+    out = None
+    for g in groups:
+        parts = r.math.qkv(weights, g.gather(x, 1), g.positions, g.rope)
+        if out is None:
+            out = [p.new_empty(*p.shape[:2], x.shape[1], p.shape[3]) for p in parts]
+        for whole, part in zip(out, parts):
+            g.scatter(whole, part, 2)
+    return out
+
+
+def _out(r, weights, attn, x, groups):
+    """The output projection and residual of every row, one call per group."""
+    if len(groups) == 1 and groups[0].index is None:
+        return r.math.out(weights, attn, x)
+    out = torch.empty_like(x)
+    for g in groups:
+        g.scatter(out, r.math.out(weights, g.gather(attn, 2), g.gather(x, 1)), 1)
+    return out
+
+
+def _layer(r, layer, hidden, groups, lanes) -> None:
     """One transformer layer over every request's new tokens: project (together), plan,
-    load, attend (each its own), output projection and MLP (together)."""
+    load, attend (each its own), output projection and MLP (together); "together" is one
+    call per row group (one, unless an exact policy's rows go by canonical tiles)."""
     weights = _weights(r, 1 + 2 * layer, lanes)
     t0 = time.perf_counter()
     x = hidden.val.data
-    q, k_new, v_new = r.math.qkv(weights, x, positions, rope)
+    q, k_new, v_new = _qkv(r, weights, x, groups)
     _shared_time(lanes, "compute_s", time.perf_counter() - t0)
     attn = [_context(r, layer, lane, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
                      v_new[:, :, lane.lo:lane.hi]) for lane in lanes]
     t0 = time.perf_counter()
     attn = attn[0] if len(attn) == 1 else torch.cat(attn, dim=2)
-    hidden.val = TorchTensor.create_from_torch(r.math.out(weights, attn, x), r.compute)
+    hidden.val = TorchTensor.create_from_torch(_out(r, weights, attn, x, groups), r.compute)
     _shared_time(lanes, "compute_s", time.perf_counter() - t0)
     probe = RequestStats()
-    r.mlp(2 + 2 * layer, hidden, probe)
+    r.mlp_rows(2 + 2 * layer, hidden, groups, probe)
     _shared_time(lanes, "weights_s", probe.weights_s)
     _shared_time(lanes, "compute_s", probe.compute_s)
 
@@ -221,13 +256,20 @@ def _context(r, layer, lane: _Lane, q, k_new, v_new) -> torch.Tensor:
         prefix_mask = torch.cat([prefix_mask, torch.ones(
             r.math.n_kv_head, given_kv[0].shape[1], dtype=torch.bool, device=r.device)], dim=1)
     t0 = time.perf_counter()
-    # One pass joins the loaded pieces and converts them to the compute dtype.
-    keys = torch.cat([*prefix_k, k_new[0]], dim=1)
-    values = torch.cat([*prefix_v, v_new[0]], dim=1)
     s = k_new.shape[2]
     new_mask = (lane.positions[0] >= inp.n_pad)[None].expand(r.math.n_kv_head, s)
-    mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
-    attn = r.attend(q, keys, values, mask, causal_tail=s, front=front)
+    if lane.rows is not None:
+        # Canonical: keys in position order (a recomputed front first), tiles and block.
+        keys, values, mask = (torch.cat([new[:, :front], *pre, new[:, front:]], dim=1)
+                              for new, pre in ((k_new[0], prefix_k), (v_new[0], prefix_v),
+                                               (new_mask, [prefix_mask])))
+        attn = attend_lane(r.attend, q, keys, values, mask, lane.rows)
+    else:
+        # One pass joins the loaded pieces and converts them to the compute dtype.
+        keys = torch.cat([*prefix_k, k_new[0]], dim=1)
+        values = torch.cat([*prefix_v, v_new[0]], dim=1)
+        mask = torch.cat([prefix_mask, new_mask], dim=1)            # (KV, m + s)
+        attn = r.attend(q, keys, values, mask, causal_tail=s, front=front)
     stats.compute_s += time.perf_counter() - t0
     k_mine, v_mine = k_new[0][:, front:], v_new[0][:, front:]
     if given_kv:

@@ -50,7 +50,7 @@ from ..runtime import Runtime
 from ..sampling import Sampler
 from ..scores import step_scores
 from ..sequence import Sequence, decode_context
-from ..store import CorruptNode, PrefixStore, StoreWriteFailed
+from ..store import CHUNK_SIZE, CorruptNode, PrefixStore, StoreWriteFailed
 from ..store.shared import SharedMiss, shared_pool
 from ..tiers import ChunkCache, TierConfig
 from .family import FamilyMath, probe_setup
@@ -99,17 +99,23 @@ class Engine:
                            tiers.exclusive, verify_hits=tiers.verify_hits),
                 gpu_device=self.device))
         c = self.math
-        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2  # K and V, fp16
+        # Decode steps count the KV they move in fp16 bytes, as the decode-phase policies do.
+        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2
+        # Loads count stored bytes (the store's KV format).
+        self.stored_bytes_per_token_layer = store.shape.kv_bytes_per_token_layer \
+            if store is not None else self.kv_bytes_per_token_layer
         # The stored prefix KV a layer attends, and the prefill's loop over the layers.
         self.prefix = PrefixKV(store, policy, c, self.probe_heads, self.probe_kv_heads,
-                               self.device, self.dtype, self.kv_bytes_per_token_layer)
+                               self.device, self.dtype, self.stored_bytes_per_token_layer)
         self.layers = LayerRunner(runtime, c, self.prefix, self.device, self.dtype)
         self.planner = None      # the cost model's planner, when the plan is auto or both
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
         self.shared_fallbacks = 0
         self.shared_unstored = 0    # prefixes not stored: part of them came unauthenticated
-        if tiers.remote_url and store is not None and policy.reuse:
+        # An exact reader takes nothing from a store (or pool) in a format that loses bits.
+        if tiers.remote_url and store is not None and policy.reuse and \
+                (store.shape.kv_exact or not policy.exact_reads):
             self.shared = shared_pool(
                 tiers.remote_url, store, self.dtype, secret=tiers.remote_secret,
                 ttl_s=tiers.remote_ttl, recompute_s=lambda n, ctx: None if self.planner is None
@@ -249,7 +255,8 @@ class Engine:
                 if use_shared and use_store else None
             n_given = given.n_tokens if given is not None else 0
             new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
-            stats.prefix_bytes = matched * self.kv_bytes_per_token_layer * self.math.n_layers
+            stats.prefix_bytes = matched * self.stored_bytes_per_token_layer * \
+                self.math.n_layers
             # Load the matched prefix, recompute it, or recompute its front while the rest
             # loads: `front` tokens are recomputed.
             front = self._choose_plan(segments_nodes, matched, len(new_ids), stats)
@@ -262,6 +269,9 @@ class Engine:
         job.segments_nodes, job.matched, job.given, job.n_given = \
             segments_nodes, matched, given, n_given
         job.new_ids, job.front = new_ids, front
+        if self.policy.exact_reads:     # what a store keeps: canonical calls (canonical.py)
+            chunk = self.store.config.chunk_size if self.store is not None else CHUNK_SIZE
+            job.canonical_end = len(req.prefix) // chunk * chunk
         return job
 
     def _first_token(self, job: PrefillJob, tail, out_w) -> None:

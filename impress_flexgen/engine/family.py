@@ -2,7 +2,8 @@
 
     math = FamilyMath(runtime.spec)
     q, k, v = math.qkv(weights, x, positions, math.rope(positions, x.dtype))
-    shape = model_shape(runtime.spec)           # what the store's KV of this model is
+    shape = model_shape(runtime.spec)           # what the store's KV of this model is, and
+                                                # whether it is the computed KV exactly
     heads, kv_heads = probe_setup(runtime.spec, policy.config)
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from disk_layout.format import kv_format_lossless, kv_format_of
 from policies import ServingConfig
 from policies.base import resolve_probe_heads
 
@@ -34,12 +36,23 @@ class FamilyMath:
         else:
             self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
         self.n_layers = c.num_hidden_layers
+        self._rope: dict = {}
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple | None:
-        """The rotary tables of `positions`, shared by every layer of a pass (None: OPT)."""
+        """The rotary tables of `positions`, shared by every layer of a pass (None: OPT).
+        Looked up in one table of every position, computed once: a position's values are
+        then the same in every call (a vectorised cos of a longer or shorter list may round
+        an element differently)."""
         if self.family == "opt":
             return None
-        return rope_cos_sin(positions, self.head_dim, self.config.rope_theta, dtype)
+        key = (dtype, positions.device)
+        table = self._rope.get(key)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if table is None or table[0].shape[0] < need:
+            every = torch.arange(max(need, self.config.max_seq_len), device=positions.device)
+            cos, sin = rope_cos_sin(every[None], self.head_dim, self.config.rope_theta, dtype)
+            table = self._rope[key] = (cos[0, 0], sin[0, 0])
+        return table[0][positions][:, None], table[1][positions][:, None]
 
     def qkv(self, weights, x, positions, rope=None):
         if self.family == "opt":
@@ -62,16 +75,23 @@ class FamilyMath:
         return linear(h, w_token.data).float()
 
 
-def model_shape(spec, chunk_size: int = CHUNK_SIZE) -> ModelShape:
-    """The shape and identity of `spec`'s stored KV at `chunk_size`: the fingerprint covers
-    the weights' content, the compute and KV dtypes, the chunk size and the layout."""
+def model_shape(spec, chunk_size: int = CHUNK_SIZE, kv_format: str | None = None
+                ) -> ModelShape:
+    """The shape and identity of `spec`'s stored KV at `chunk_size`, kept in `kv_format`
+    (None: the compute dtype's, so that stored KV is the computed KV bit for bit): the
+    fingerprint covers the weights' content, the compute dtype, the KV format, the chunk
+    size and the layout."""
     m = FamilyMath(spec)
+    compute = np.dtype(spec.config.dtype)
+    kv_format = kv_format or kv_format_of(compute)
+    # 4-bit weights are other weights than those they were made from: their identity.
     digest = getattr(spec, "identity", None)
     if digest is None:
         digest = getattr(spec, "weights_digest", "")
-    fingerprint = model_fingerprint(digest, np.dtype(spec.config.dtype).name, chunk_size) \
+    fingerprint = model_fingerprint(digest, compute.name, chunk_size, kv_format) \
         if digest else ""
-    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint)
+    return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint, kv_format,
+                      kv_format_lossless(kv_format, compute))
 
 
 def probe_setup(spec, config: ServingConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -4,6 +4,11 @@ the kept rows and attention mask the layer attends with.
     prefix = PrefixKV(store, policy, math, probe_heads, probe_kv_heads, device, dtype,
                       kv_bytes_per_token_layer)
     keys, values, mask = prefix.layer_kv(layer, segments_nodes, q, k_new, ahead, stats, n_pad)
+
+The policy selects on `select_device`, the compute device unless set otherwise (a check may
+point it elsewhere to see that every tensor selection touches is moved there): the queries go
+there in float32, the read-ahead moves the probe keys there, and only the plan (chunk ids,
+per-token masks and scores) comes back to the host, in one copy per layer.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 import torch
 
 from policies import LayerContext, LayerPlan, Segment, ServingPolicy
-from policies.base import chunks_holding, tokens_of_chunks
+from policies.base import chunks_holding, join_chunks, tokens_of_chunks
 
 from ..store import PrefixStore
 from .readahead import LayerLoader
@@ -21,13 +26,14 @@ from .family import FamilyMath
 class PrefixKV:
     def __init__(self, store: PrefixStore | None, policy: ServingPolicy, math: FamilyMath,
                  probe_heads: tuple[int, ...], probe_kv_heads: tuple[int, ...], device, dtype,
-                 kv_bytes_per_token_layer: int):
+                 kv_bytes_per_token_layer: int, select_device=None):
         self.store = store
         self.policy = policy
         self.config = policy.config
         self.math = math
         self.probe_heads, self.probe_kv_heads = probe_heads, probe_kv_heads
         self.device, self.dtype = device, dtype
+        self.select_device = torch.device(select_device or device)
         self.kv_bytes_per_token_layer = kv_bytes_per_token_layer
 
     def layer_kv(self, layer, segments_nodes, q, k_new, ahead, stats, n_pad, front=0):
@@ -40,11 +46,13 @@ class PrefixKV:
                                        device=self.device)
         loader = ahead.loader(layer)
         segments = loader.segments
-        ctx = LayerContext(layer, q[0].float().cpu(), k_new[0].float().cpu(), segments,
-                           self.config, self.probe_heads, self.probe_kv_heads,
+        at = self.select_device
+        ctx = LayerContext(layer, q[0].to(at, torch.float32), k_new[0].to(at, torch.float32),
+                           segments, self.config, self.probe_heads, self.probe_kv_heads,
                            loader.read_probe, loader.load, n_pad=n_pad, front=front)
-        # The policy's probe reads and loads are counted as I/O, not as selection.
-        with stats.timer("select_s", exclude=("probe_s", "load_s")):
+        # The policy's probe reads and loads are counted as I/O, not as selection (on a GPU
+        # the timer waits for the device: scoring a policy does not use is still paid).
+        with stats.timer("select_s", exclude=("probe_s", "load_s"), sync=at):
             plan = self.policy.plan_layer(ctx)
         stats.layers_fallback += int(plan.fallback)
         if plan.jaccard is not None:
@@ -60,7 +68,7 @@ class PrefixKV:
         # layer's probe keys (read since this layer began) are decoded.
         pending = loader.start_all([(si, {"k": ids, "v": ids})
                                     for si, ids in enumerate(chosen) if len(ids)])
-        with stats.timer("probe_s"):
+        with stats.timer("probe_s", sync=self.select_device):
             ahead.decode_probe(loader.layer + 1)
         loaded = loader.finish_all(pending)
         ks, vs, masks = [], [], []
@@ -74,6 +82,10 @@ class PrefixKV:
                     stats.exact = False
                 continue
             rows, logical = tokens_of_chunks(seg, ids, firsts[si])
+            if self.policy.exact_reads and np.any(np.diff(logical) < 0):
+                # An exact reader attends in position order, as a recomputation does.
+                order = np.argsort(logical, kind="stable")
+                rows, logical = rows[order], logical[order]
             ks += self.rows(loaded[si]["k"], rows)
             vs += self.rows(loaded[si]["v"], rows)
             if plan.attend[si] is None:
@@ -110,14 +122,15 @@ class PrefixKV:
     def rows(self, chunks: list[torch.Tensor], rows: np.ndarray) -> list[torch.Tensor]:
         """Loaded chunks, concatenated, keep the rows holding prefix tokens: as pieces on
         the compute device. On a CPU, chunks wholly inside the prefix stay separate: the
-        layer's one cat() joins and converts them."""
-        whole = len(rows) == sum(c.shape[1] for c in chunks)
+        layer's one cat() joins and converts them. On a GPU, the tier's copies are there
+        already and the rest come over in one copy."""
+        whole = len(rows) == sum(c.shape[1] for c in chunks) and bool(np.all(np.diff(rows) > 0))
         if whole and self.device.type == "cpu" and all(c.device.type == "cpu" for c in chunks):
             return chunks
-        joined = torch.cat(chunks, dim=1)
+        joined = join_chunks(chunks, self.device)
         if not whole:
-            joined = joined[:, torch.from_numpy(rows).to(joined.device)]
-        return [joined.to(self.device, self.dtype)]
+            joined = joined[:, torch.from_numpy(rows).to(self.device)]
+        return [joined.to(self.dtype)]
 
     def full_prefix_context(self, segments_nodes, new_kv, stats, n_pad):
         """Decode over the whole prefix: reload every chunk (after time to first token)."""
@@ -130,8 +143,9 @@ class PrefixKV:
                 rows, _ = tokens_of_chunks(seg, ids)
                 for kind, out in (("k", ks), ("v", vs)):
                     chunks, _ = self.store.load_chunks(seg.entry, kind, ids, seg.node)
-                    out.append(torch.cat(chunks, 1)[:, torch.from_numpy(rows)]
-                               .to(self.device, self.dtype))
+                    joined = join_chunks(chunks, self.device)
+                    out.append(joined[:, torch.from_numpy(rows).to(self.device)]
+                               .to(self.dtype))
             keys = torch.cat(ks + [k_new], 1)
             values = torch.cat(vs + [v_new], 1)
             valid = torch.arange(keys.shape[1], device=self.device) >= n_pad

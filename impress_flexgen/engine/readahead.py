@@ -2,7 +2,7 @@
 ahead, while the layer before computes, and each layer's loads are served once however often
 its policy asks (the store does the reads).
 
-    ahead = ReadAhead(store, policy, n_layers, segments_nodes, stats)
+    ahead = ReadAhead(store, policy, n_layers, segments_nodes, stats, device=where_selected)
     ahead.start(0)
     for layer in range(n_layers):
         ahead.start(layer + 1)              # next layer's reads go out now
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from policies import Segment
-from policies.base import ProbeKeys, chunks_holding
+from policies.base import ProbeKeys, chunks_holding, same_device
 
 from ..tiers import DISK
 
@@ -54,7 +54,7 @@ class LayerLoader:
             self.stats.chunks_read += sum(len(c) for c in chunks.values())
 
     def read_probe(self) -> ProbeKeys:
-        with self.stats.timer("probe_s"):
+        with self.stats.timer("probe_s", sync=self.ahead.device):
             probe = self.ahead.result(self.layer)
             self.stats.probe_bytes += sum(seg.entry.layout.probe_stride
                                           for seg in self.segments)
@@ -132,8 +132,9 @@ class LayerLoader:
 
 class SharedProbe:
     """One probe section read (a request's own, or shared by the requests of a prefill
-    pass that matched its node): CRC-checked and decoded once, by whichever asks first, and
-    the same keys (read only) handed to each; a failed read fails each of them alike."""
+    pass that matched its node): CRC-checked, decoded and moved to the device that scores
+    it once, by whichever asks first, and the same keys (read only) handed to each; a failed
+    read fails each of them alike."""
 
     def __init__(self, store, entry, node):
         self.store, self.entry = store, entry
@@ -141,7 +142,7 @@ class SharedProbe:
         self.keys: torch.Tensor | None = None
         self.error: BaseException | None = None
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, device: torch.device | None = None) -> torch.Tensor:
         if self.read is not None:
             read, self.read = self.read, None
             try:
@@ -150,6 +151,8 @@ class SharedProbe:
                 self.error = exc
         if self.error is not None:
             raise self.error
+        if device is not None and not same_device(self.keys.device, device):
+            self.keys = self.keys.to(device)     # one copy for every head and request
         return self.keys
 
 
@@ -168,13 +171,16 @@ class ReadAhead:
     """
 
     def __init__(self, store, policy, n_layers: int, segments_nodes, stats, front: int = 0,
-                 shared_probes: dict | None = None):
+                 shared_probes: dict | None = None, device: torch.device | None = None):
         """`stats`: the request's counters (probe_s, load_s, probe_bytes, bytes_read per
         tier, chunks_read, chunks_loaded) that the reads add to. `front`: prefix tokens the
         request recomputes instead of loading (no chunk of theirs alone is read ahead).
         `shared_probes`: the probe reads of the requests prefilled in the same pass, by
-        layer file (a node's probe keys are read once for all of them)."""
+        layer file (a node's probe keys are read once for all of them). `device`: where
+        the policy scores (the probe keys are moved there as they are decoded; None: they
+        stay in host memory)."""
         self.front = front
+        self.device = device
         self.shared_probes = shared_probes
         self.store = store
         self.n_layers = n_layers
@@ -254,7 +260,7 @@ class ReadAhead:
         try:
             for (_, used), pending in zip(self.segments_nodes, reads):
                 entry = pending.entry
-                probe = pending.finish()
+                probe = pending.finish(self.device)
                 # Keys stay in stored order (scoring maps its scores back); only an
                 # unreordered node can drop its unused tail by slicing.
                 if entry.mapping is None:

@@ -79,3 +79,23 @@ class LayerRunner:
         with stats.timer("compute_s"):
             self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None,
                                          None, 0, 0)
+
+    def mlp_rows(self, j: int, hidden: ValueHolder, groups, stats) -> None:
+        """The MLP of every row, one call per row group (canonical.RowGroup), with the
+        weights brought once."""
+        if len(groups) == 1 and groups[0].index is None:
+            return self.mlp(j, hidden, stats)
+        self.weights(j, stats)
+        buf = self.model.weight_read_buf[j]
+        held = buf.val
+        x = hidden.val.data
+        out = torch.empty_like(x)
+        with stats.timer("compute_s"):
+            for g in groups:
+                if buf.val is None:          # the layer's forward takes the weights out
+                    buf.store(held)
+                part = ValueHolder()
+                part.store(TorchTensor.create_from_torch(g.gather(x, 1), self.compute))
+                self.model.layers[j].forward(part, None, buf, None, None, 0, 0)
+                g.scatter(out, part.val.data, 1)
+        hidden.val = TorchTensor.create_from_torch(out, self.compute)

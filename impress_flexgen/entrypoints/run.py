@@ -152,12 +152,13 @@ def main(argv=None) -> int:
         requests, results, todo = open_request_file(args, spec, tokenizer)
         if not todo:
             return 0
-        claim_store_root(config.store.root_for(model_shape(spec, args.chunk_size)))
+        claim_store_root(config.store.root_for(model_shape(spec, args.chunk_size,
+                                                           args.kv_format)))
     elif args.prompt_token_ids is not None:
         check_prompts(spec, args.prompt_token_ids, args.max_new_tokens)
     else:
         check_workload(spec, args)
-        store_root = config.store.root_for(model_shape(spec, args.chunk_size))
+        store_root = config.store.root_for(model_shape(spec, args.chunk_size, args.kv_format))
         claim_store_root(store_root)
     with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"

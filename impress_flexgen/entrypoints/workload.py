@@ -25,6 +25,7 @@ def serve_workload(rt, args, root: Path) -> int:
 
     from .. import progress
     from ..config import GB, ServiceConfig
+    from ..engine import model_shape
     from ..serving import kv_bytes_per_token, run_workload
     from ..store_root import _store_name
     from ..tiers.remote_url import redact_url
@@ -34,7 +35,8 @@ def serve_workload(rt, args, root: Path) -> int:
         n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         queries_per_prefix=args.queries, query_tokens=args.query_tokens,
         distribution=args.distribution, mode=args.workload, real_tokens=args.real_tokens))
-    pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
+    kv_format = model_shape(rt.spec, args.chunk_size, args.kv_format).kv_format
+    pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt, kv_format)
     names = (["full"] if args.check and "full" not in args.policies else []) + args.policies
     # One configuration per policy, from the same flags; tiers not sized: 10% and 25% of
     # the workload's prefix KV.
@@ -58,7 +60,7 @@ def serve_workload(rt, args, root: Path) -> int:
     with progress.bar(len(names) * len(wl.queries), "requests", unit="req") as bar:
         for name in names:
             config = configs[name]
-            store_dir = root / _store_name(name, config.run)
+            store_dir = root / _store_name(name, config.run, kv_format)
             if (store_dir / "store.sqlite").exists():
                 tqdm.write(f"{name}: reusing the store left by an earlier run in {store_dir}")
 

@@ -5,6 +5,8 @@ import dataclasses
 import hashlib
 import json
 
+from disk_layout.format import KV_FORMATS, LEGACY_KV_FORMAT, kv_dtype_name
+
 from ..errors import UserError
 from ..radix import RadixNode
 
@@ -30,10 +32,9 @@ class StoreFull(StoreWriteFailed):
     metadata database is full."""
 
 
-# Version of what a stored chunk's bytes mean (the layer file layout, the KV dtype on disk
-# and how a chunk's tokens are laid out): part of every store identity.
+# Version of what a stored chunk's bytes mean (the layer file layout and how a chunk's
+# tokens are laid out; the KV format is named beside it): part of every store identity.
 LAYOUT_VERSION = 2
-KV_DTYPE = "float16"     # the KV dtype of stored chunks, whatever the compute dtype
 
 
 class DiskFull(StoreFull):
@@ -45,13 +46,33 @@ class ModelShape:
     """What a store's KV belongs to; a store refuses KV of another shape or identity.
 
     `fingerprint` says which weights computed the KV (model_fingerprint()); "" only for
-    shapes made by hand (benchmarks, tests), which then share nothing with a real model's."""
+    shapes made by hand (benchmarks, tests), which then share nothing with a real model's.
+    `kv_format`: how the store keeps K and V (disk_layout.format.KV_FORMATS); `kv_exact`:
+    whether that gives back the computed values bit for bit (the format holds the compute
+    dtype). A store of an inexact format serves no exact reader."""
 
     name: str
     n_layers: int
     n_kv_heads: int
     head_dim: int
     fingerprint: str = ""
+    kv_format: str = LEGACY_KV_FORMAT
+    kv_exact: bool = True
+
+    def __post_init__(self):
+        if self.kv_format not in KV_FORMATS:
+            raise UserError(f"unknown KV format {self.kv_format!r}; choose from "
+                            f"{', '.join(KV_FORMATS)}")
+
+    @property
+    def kv_value_bytes(self) -> int:
+        """Bytes of one stored K or V value."""
+        return KV_FORMATS[self.kv_format].itemsize
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """Stored bytes of one token's K and V in one layer."""
+        return 2 * self.n_kv_heads * self.head_dim * self.kv_value_bytes
 
     @property
     def short_id(self) -> str:
@@ -60,11 +81,14 @@ class ModelShape:
 
 
 def model_fingerprint(weights_digest: str, compute_dtype: str, chunk_size: int,
-                      kv_dtype: str = KV_DTYPE, layout: int = LAYOUT_VERSION) -> str:
+                      kv_format: str = LEGACY_KV_FORMAT, layout: int = LAYOUT_VERSION) -> str:
     """The identity of stored KV: the same only for the same weights (content, not name),
-    computed in the same dtype, stored in the same dtype, chunk size and layout."""
+    computed in the same dtype, stored in the same format, chunk size and layout."""
+    # Formats that are a dtype are named by it, as before stores had other formats: an fp16
+    # store keeps the identity it had.
+    kv = kv_dtype_name(kv_format) if kv_format in KV_FORMATS else kv_format
     text = json.dumps({"weights": weights_digest, "compute_dtype": compute_dtype,
-                       "kv_dtype": kv_dtype, "chunk_size": int(chunk_size),
+                       "kv_dtype": kv, "chunk_size": int(chunk_size),
                        "layout": int(layout)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -145,10 +145,11 @@ class DiskTier:
         return pending
 
     def wait(self, pending: _DiskGet) -> list[torch.Tensor | None]:
-        """The chunks, in asked order: (kv_heads, C, head_dim) float16 tensors of their
-        own read buffers (the caller's to keep or change). A layer file that fails a check
-        or a read makes every key of it a miss, and its node leaves the store (a read at a
-        named entry: the failure is left in pending.error for the caller)."""
+        """The chunks, in asked order: (kv_heads, C, head_dim) tensors in the store's KV
+        format, of their own read buffers (the caller's to keep or change). A layer file
+        that fails a check or a read makes every key of it a miss, and its node leaves the
+        store (a read at a named entry: the failure is left in pending.error for the
+        caller)."""
         out: list[torch.Tensor | None] = [None] * pending.n_keys
         if pending.located:
             self._wait_at(pending, out)

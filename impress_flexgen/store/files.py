@@ -37,8 +37,8 @@ class LayerFiles:
         """Write one (node, layer) file in the physical order given by `mapping`, fsynced;
         returns its CRC-32s (probe, K chunks..., V chunks...)."""
         config = self.state.config
-        k = k_logical.detach().to(torch.float16).cpu()
-        v = v_logical.detach().to(torch.float16).cpu()
+        k = k_logical.detach().to(layout.kv_dtype).cpu()
+        v = v_logical.detach().to(layout.kv_dtype).cpu()
         if mapping is not None:
             order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
             k, v = k[:, order], v[:, order]

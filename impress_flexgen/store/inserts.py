@@ -40,7 +40,8 @@ class Inserter:
         `exact`: the KV was computed with full attention over an exact prefix. Inexact KV
         is stored flagged (exact-only matches stop before it); exact KV supersedes the
         inexact nodes in its way (removed, unless a request holds them: then nothing is
-        stored). Exact KV whose stored prefix before `start` is inexact is stored inexact.
+        stored). Exact KV whose stored prefix before `start` is inexact is stored inexact,
+        and so is all KV of a store whose format does not keep the computed values.
 
         Files are written and fsynced with the path pinned but without the store lock, so
         other requests go on meanwhile; the commit then checks that the tree still looks as
@@ -53,6 +54,7 @@ class Inserter:
         if start % c:
             raise ValueError("insert start must be chunk-aligned")
         ns = namespace_key(namespace)
+        exact = exact and self.state.shape.kv_exact
         # Room a full disk must make before a retry: the new files, a split's at most.
         need = 2 * self.state.shape.n_layers * self.state.layout(max(c, end - start)).file_bytes
         changed = 0         # commits found the tree changed (a full disk's rounds not counted)

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from disk_layout import io as dio
+from disk_layout.format import LEGACY_KV_FORMAT
 from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata, valid_file_name
 
 from ..errors import UserError
@@ -140,10 +141,15 @@ class StoreOpener:
     def _init_meta(self) -> None:
         model = dataclasses.asdict(self.shape)
         fingerprint = model.pop("fingerprint")
+        # The KV format is recorded on its own (every file of the store holds it); whether
+        # it is exact follows from the compute dtype, which the fingerprint covers.
+        kv_format = model.pop("kv_format")
+        model.pop("kv_exact")
         want = {"format": STORE_FORMAT, "schema": SCHEMA_VERSION, "model": model,
                 "fingerprint": fingerprint, "chunk_size": self.config.chunk_size,
                 "probe_heads": list(self.config.probe_heads),
-                "probe_format": self.config.probe_format, "packed": self.state.packed}
+                "probe_format": self.config.probe_format, "packed": self.state.packed,
+                "kv_format": kv_format}
         have = self.state.meta.get_meta()
         if self.state.meta.is_empty():
             if self._data_entries():
@@ -159,6 +165,11 @@ class StoreOpener:
             if have.get(key) != want[key]:
                 raise UserError(f"store {self.dir} was made with {key}={have.get(key)}, "
                                 f"not {want[key]}; use another --store-dir")
+        have.setdefault("kv_format", LEGACY_KV_FORMAT)   # ... and before other KV formats
+        if have["kv_format"] != kv_format:
+            raise UserError(f"store {self.dir} holds {have['kv_format']} KV, not {kv_format}; "
+                            f"open it with --kv-format {have['kv_format']} or choose another "
+                            "--store-dir")
         self._check_identity(have.get("fingerprint", ""), fingerprint)
 
     def _check_identity(self, have: str, want: str) -> None:
@@ -222,10 +233,12 @@ class StoreOpener:
                 if parent is not None and row.namespace != parent.namespace:
                     bad[nid] = "its namespace is not its parent's"
                     continue
-                # Exact only below an exact parent: KV over inexact KV is inexact.
+                # Exact only below an exact parent: KV over inexact KV is inexact; and only
+                # in a format that gives back the computed values.
                 node = RadixNode(nid, parent, row.start, row.tokens.copy(), hits=row.hits,
                                  last_access=row.last_access,
-                                 exact=row.exact and (parent is None or parent.exact),
+                                 exact=row.exact and (parent is None or parent.exact)
+                                 and self.shape.kv_exact,
                                  namespace=row.namespace)
                 node.layers = [self._entry(r, len(row.tokens)) for r in layers]
                 try:

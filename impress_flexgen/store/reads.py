@@ -89,7 +89,8 @@ class DiskReads:
             raise CorruptNode(self.state.node_of(node, entry), f"{entry.path}: {exc}") from None
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
-        """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) fp16 each.
+        """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) each, in
+        the store's KV format.
 
         The tensors are views of the buffers the reads landed in (no copy): writable, and
         each keeps its run of adjacent chunks in memory while it lives (the tiers copy).
@@ -160,7 +161,7 @@ class DiskReads:
             chunks: list[torch.Tensor] = []
             for run in runs:
                 m = len(run.members)
-                payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(torch.float16)
+                payload = run.data.view(m, stride)[:, :lay.chunk_bytes].view(lay.kv_dtype)
                 chunks.extend(payload.view(m, *shape).unbind(0))
             return chunks
 
@@ -198,7 +199,7 @@ class DiskReads:
                     g0, g1 = groups[i]
                     start = int(offs[g0]) - run.offset
                     span = run.data[start:start + (g1 - g0) * size]
-                    chunks.extend(span.view(torch.float16).view(g1 - g0, *shape).unbind(0))
+                    chunks.extend(span.view(lay.kv_dtype).view(g1 - g0, *shape).unbind(0))
             return chunks
 
         return extents, checks, assemble, sum(length for _, length in extents)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from disk_layout import io as dio
-from disk_layout.metadata import LayerRow
+from disk_layout.metadata import LayerRow, MetadataError
 
 from .. import cpu_threads
 from ..radix import RadixNode
@@ -171,6 +171,14 @@ class Reorderer:
                             for layer in range(self.state.shape.n_layers))]
         done = sum(self.reorder_node(n) for n in nodes)
         self.importance.flush_stats()
+        if done:
+            # A pass rewrites many rows: fold the WAL into the database and cut it back,
+            # so the journal of a burst does not stay on disk beside the metadata.
+            with self.state.lock:
+                try:
+                    self.state.meta.checkpoint()
+                except MetadataError as exc:
+                    log.warning("store %s: WAL checkpoint failed: %s", self.state.dir, exc)
         return done
 
 

@@ -58,7 +58,7 @@ class StoreState:
     def layout(self, n_tokens: int) -> LayerFileLayout:
         return LayerFileLayout(n_tokens, self.config.chunk_size, self.shape.n_kv_heads,
                                self.shape.head_dim, len(self.config.probe_heads),
-                               self.config.probe_format, self.packed)
+                               self.config.probe_format, self.packed, self.shape.kv_format)
 
     def node_of(self, node, entry: LayerEntry) -> RadixNode:
         """`node`, or for a caller that gave none the entry's node (a stand-in if gone)."""

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from disk_layout.format import LEGACY_KV_FORMAT, kv_dtype_name
+
 from .base import nbytes
 from .pool_offer import StoredOffers
 from .remote_codec import RemoteNamespace, chunk_hashes
@@ -205,8 +207,8 @@ def shared_pool(url: str, store, dtype: torch.dtype, *, secret: str | bytes | No
                 ttl_s: int | None = None,
                 recompute_s: Callable[[int, int], float | None] | None = None) -> SharedPrefix:
     """The pool at `url` for the model (its fingerprint, when the shape has one) and chunk
-    size of `store` (KV kept as it is stored on disk: float16). `secret` (default: the
-    IMPRESS_REMOTE_SECRET environment variable) makes every value carry an HMAC."""
+    size of `store` (KV kept as it is stored on disk, in the store's KV format). `secret`
+    (default: the IMPRESS_REMOTE_SECRET environment variable) makes every value carry an HMAC."""
     from ..errors import require
     from .chain import REMOTE
 
@@ -217,7 +219,8 @@ def shared_pool(url: str, store, dtype: torch.dtype, *, secret: str | bytes | No
     if secret is None:
         secret = os.environ.get(SECRET_ENV) or None
     namespace = RemoteNamespace(shape.name, shape.n_layers, shape.n_kv_heads, shape.head_dim,
-                                "float16", store.config.chunk_size,
+                                kv_dtype_name(getattr(shape, "kv_format", LEGACY_KV_FORMAT)),
+                                store.config.chunk_size,
                                 fingerprint=str(getattr(shape, "fingerprint", "") or ""))
     tier = RedisTier(url, namespace, name=REMOTE, secret=secret, ttl_s=ttl_s)
     return SharedPrefix(tier, tier.namespace, REMOTE, recompute_s=recompute_s, store=store)
