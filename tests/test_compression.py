@@ -225,7 +225,8 @@ def _serve(rt, store_dir, requests, batch=False):
 
 def _requests(forced=None):
     """Two requests whose prefixes share no stored chunk: each is computed in full, as
-    FlexGen's loop computes it (a loaded prefix is fp16 KV, another rounding)."""
+    FlexGen's loop computes it (a loaded prefix would be the store's KV, not FlexGen's
+    4-bit cache)."""
     query = prompt_ids(2, 9)
     return [Request(prompt_ids(1, 100), query, 6, forced=forced, keep_logits=True),
             Request(prompt_ids(5, 50), query, 6, forced=forced, keep_logits=True)]
