@@ -9,7 +9,7 @@ Parts (each writes results/<part>.json and results/<part>.png):
                than the pool (GPU 10%, CPU 25% of the pool's KV bytes), cold O_DIRECT reads.
   ablation     AS-like, +ITF, +RO, All (Fig. 18) on the same workload; chunks loaded
                with and without reordering (Fig. 20); GPU hit ratio by tier policy, LRU /
-               LFU / score (Fig. 21).
+               LFU / score (Fig. 21); impress with non-exclusive and with exclusive tiers.
   sensitivity  impress against retention, chunk size (16-256), threshold (fixed / adaptive
                alpha / none), probe heads, and pool size (prefixes per fixed tier capacity):
                bytes loaded, KL against full KV, TTFT.
@@ -28,6 +28,8 @@ Parts (each writes results/<part>.json and results/<part>.png):
 
 All rows of a part are measured side by side in one process; KL is against `full` on the
 same requests. Times come from a shared CPU machine: compare rows within a part.
+--exclusive-tiers runs every row with exclusive GPU/CPU tiers (default: non-exclusive);
+the ablation part runs impress under the other mode too.
 """
 from __future__ import annotations
 
@@ -123,7 +125,14 @@ def sensitivity_runs() -> list[tuple[str, str, RunConfig]]:
 def _sizes(tiers: TierSizes) -> dict:
     """The tiers' record as reported: each run's serving policy picks its tier policy, so
     the record's own is left out (it is not what ran)."""
-    return {k: v for k, v in dataclasses.asdict(tiers).items() if k != "policy"}
+    return {**{k: v for k, v in dataclasses.asdict(tiers).items() if k != "policy"},
+            "copies": tiers.copies}
+
+
+def other_copies(tiers: TierSizes) -> tuple[RunConfig, TierSizes]:
+    """impress on the same tiers under the other mode (exclusive or non-exclusive)."""
+    other = dataclasses.replace(tiers, exclusive=not tiers.exclusive)
+    return RunConfig(f"impress, {other.copies} tiers", "impress"), other
 
 
 # -- parts ------------------------------------------------------------------------------
@@ -138,15 +147,19 @@ class Reproduction:
                   ) -> TierSizes:
         pool = (n_prefixes or wl_config.n_prefixes) * wl_config.prefix_tokens \
             * kv_bytes_per_token(rt)
-        return TierSizes(int(pool * 0.10), int(pool * 0.25))
+        return TierSizes(int(pool * 0.10), int(pool * 0.25), exclusive=self.args.exclusive_tiers)
 
     def serve_all(self, rt, wl, runs, tiers, label: str) -> list[dict]:
+        """One row per run, KL against the first; a run given as (run, tiers) runs on
+        those tiers instead."""
         reference: dict = {}
         rows = []
         with tqdm(total=len(runs) * len(wl.queries), desc=label, unit="req") as bar:
             for run in runs:
-                rows.append(run_workload(rt, wl, run, tiers, store_root=self.root,
-                                         reference=reference, progress=bar))
+                run, on = run if isinstance(run, tuple) else (run, tiers)
+                row = run_workload(rt, wl, run, on, store_root=self.root,
+                                   reference=reference, progress=bar)
+                rows.append({**row, "tier_copies": on.copies})
         return rows
 
     def serving(self, rt) -> dict:
@@ -155,7 +168,8 @@ class Reproduction:
         cfg = self.sizes.serving
         wl = build_workload(rt.tokenizer, cfg)
         tiers = self.tiers_for(rt, cfg)
-        runs = serving_runs() + (ABLATION_RUNS if "ablation" in self.args.parts else [])
+        runs = serving_runs() + (ABLATION_RUNS + [other_copies(tiers)]
+                                 if "ablation" in self.args.parts else [])
         rows = self.serve_all(rt, wl, runs, tiers, "serving")
         result = {"workload": dataclasses.asdict(cfg), "sources": wl.sources,
                   "tiers": _sizes(tiers), "results": rows}
@@ -175,6 +189,9 @@ class Reproduction:
         ablation = [by["as_like"], by["+ITF"], by["+ITF+RO"], by["impress"]]
         names = ["AS-like", "+ITF", "+ITF+RO", "All (impress)"]
         tiers = [by["impress, LRU tiers"], by["impress, LFU tiers"], by["impress"]]
+        # impress on these tiers, then on the same tiers under the other mode.
+        copies = [by["impress"]] + [r for r in res["results"]
+                                    if r["tier_copies"] != by["impress"]["tier_copies"]]
         out = {"workload": res["workload"], "tiers": res["tiers"],
                "ablation": [_pick(r, name) for r, name in zip(ablation, names)],
                "reorder": {"without": by["+ITF"]["chunks_loaded"],
@@ -188,7 +205,8 @@ class Reproduction:
                "gpu_hit_ratio": {name: r["gpu_hit_ratio"] for name, r in
                                  zip(("LRU", "LFU", "score (impress)"), tiers)},
                "cpu_hit_ratio": {name: _cpu_hit(r) for name, r in
-                                 zip(("LRU", "LFU", "score (impress)"), tiers)}}
+                                 zip(("LRU", "LFU", "score (impress)"), tiers)},
+               "tier_copies": {r["tier_copies"]: _copies(r) for r in copies}}
         figures.ablation(out, self.out / "ablation.png")
         return out
 
@@ -316,6 +334,15 @@ def _pick(r: dict, label: str) -> dict:
     return {"label": label, **{k: r.get(k) for k in keys}}
 
 
+def _copies(r: dict) -> dict:
+    """impress under one tier mode: TTFT, where its bytes came from, how the tiers moved."""
+    t = r.get("tiers") or {}
+    moves = ("promotions", "demotions", "evictions")
+    return {**_pick(r, r["label"]), "cpu_hit_ratio": _cpu_hit(r),
+            **{f"gpu_{k}": t.get("gpu", {}).get(k) for k in moves},
+            **{k: t.get(k) for k in ("drops", "free_evictions", "duplicate_bytes")}}
+
+
 def _cpu_hit(r: dict) -> float | None:
     cpu = (r.get("tiers") or {}).get("cpu")
     if not cpu:
@@ -342,6 +369,9 @@ def parse_args(argv):
     p.add_argument("--sparsity-model", default="opt-125m",
                    help="OPT shape for FlexGen's top-k sparsity rows of the peers part")
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
+    p.add_argument("--exclusive-tiers", action="store_true",
+                   help="at most one memory copy of a chunk in every row (default: "
+                        "non-exclusive GPU/CPU tiers, as in the paper)")
     p.add_argument("--json", metavar="PATH", help="also write every part into one JSON file")
     args = p.parse_args(argv)
     args.parts = choose_list(p, "--parts", args.parts, PARTS)

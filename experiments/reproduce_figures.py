@@ -60,7 +60,7 @@ def serving(res: dict, path: Path) -> None:
 
 def ablation(res: dict, path: Path) -> None:
     plt = _plt()
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(18, 4))
     rows = res["ablation"]
     names = [r["label"] for r in rows]
     a.bar(names, [r["ttft_mean_s"] for r in rows], label="TTFT")
@@ -84,7 +84,29 @@ def ablation(res: dict, path: Path) -> None:
     c.set_ylim(0, 1)
     c.set_ylabel("GPU tier hit ratio")
     c.set_title("Tier policy (Fig. 21)")
-    for ax in (a, b, c):
+    # impress with non-exclusive and exclusive tiers: the share of its chunk bytes each tier
+    # served, and its TTFT.
+    copies = res.get("tier_copies") or {}
+    modes = list(copies)
+    x = range(len(modes))
+    for k, tier in enumerate(("gpu", "cpu", "disk")):
+        shares = [(copies[m]["bytes_read"] or {}).get(tier, 0)
+                  / max(1, sum((copies[m]["bytes_read"] or {}).values())) for m in modes]
+        d.bar([i + 0.25 * (k - 1) for i in x], shares, width=0.25, color=f"C{k + 4}",
+              label=f"from {tier}")
+    d.set_xticks(list(x), modes)
+    d.set_ylim(0, 1)
+    d.set_ylabel("share of chunk bytes read")
+    d.set_title("Tier copies (impress)")
+    if modes:
+        d2 = d.twinx()
+        d2.plot(list(x), [copies[m]["ttft_mean_s"] for m in modes], "kD", label="TTFT (s)")
+        d2.set_ylabel("TTFT (s)")
+        d2.set_ylim(0, 1.2 * max(copies[m]["ttft_mean_s"] for m in modes))
+        h1, l1 = d.get_legend_handles_labels()
+        h2, l2 = d2.get_legend_handles_labels()
+        d.legend(h1 + h2, l1 + l2, fontsize=7)
+    for ax in (a, b, c, d):
         ax.tick_params(axis="x", labelsize=8)
     _save(fig, path)
 

@@ -59,6 +59,8 @@ def parse_args(argv):
     p.add_argument("--gpu-cache-fraction", type=finite_float(0), default=0.1,
                    help="GPU tier capacity as a fraction of the pool's KV bytes")
     p.add_argument("--cpu-cache-fraction", type=finite_float(0), default=0.25)
+    p.add_argument("--exclusive-tiers", action="store_true",
+                   help="at most one memory copy of a chunk (default: non-exclusive tiers)")
     p.add_argument("--only", help="comma-separated labels of rows to run (full always runs)")
     p.add_argument("--store-root", help="where the stores go (default: a temp dir on local disk)")
     p.add_argument("--json", metavar="PATH")
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
             n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
             queries_per_prefix=args.queries, query_tokens=args.query_tokens))
         pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
-        tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
+        tiers = TierSizes(int(pool * args.gpu_cache_fraction),
+                          int(pool * args.cpu_cache_fraction), exclusive=args.exclusive_tiers)
         reference: dict = {}
         results = []
         root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
         "queries": len(wl.queries), "query_tokens": args.query_tokens, "sources": wl.sources,
         "pool_kv_bytes": pool, "gpu_tier_bytes": tiers.gpu_bytes,
-        "cpu_tier_bytes": tiers.cpu_bytes}, "results": results})
+        "cpu_tier_bytes": tiers.cpu_bytes, "tier_copies": tiers.copies}, "results": results})
     return 0
 
 

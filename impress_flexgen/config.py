@@ -208,7 +208,8 @@ class ServiceConfig:
                     zip((args.gpu_cache_gb, args.cpu_cache_gb), default_tiers))
         check_pool_trust(args.remote_tier, args.remote_secret or os.environ.get(SECRET_ENV),
                          getattr(args, "remote_insecure", False))
-        tiers = TierConfig(gpu, cpu, verify_hits=args.verify_tier_hits,
+        tiers = TierConfig(gpu, cpu, exclusive=args.exclusive_tiers,
+                           verify_hits=args.verify_tier_hits,
                            remote_url=args.remote_tier, remote_secret=args.remote_secret,
                            remote_ttl=args.remote_ttl)
         store = StoreOptions(root=args.store_dir, reorder_interval=args.reorder_interval,

@@ -161,7 +161,8 @@ class Service:
             plan += " (not answering: requests are served locally)"
         return [f"policy {self.policy.name}, store {self.store_dir} "
                 f"({held} stored prefix nodes{', reused' if held else ''}); tiers GPU "
-                f"{tiers.gpu_bytes / 2**20:.0f} MiB, CPU {tiers.cpu_bytes / 2**20:.0f} MiB",
+                f"{tiers.gpu_bytes / 2**20:.0f} MiB, CPU {tiers.cpu_bytes / 2**20:.0f} MiB "
+                f"({tiers.copies})",
                 plan]
 
     def metrics_text(self) -> bytes:

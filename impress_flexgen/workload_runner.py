@@ -184,7 +184,8 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "kl": float(np.mean(kls)) if kls else None,
         "kl_median": float(np.median(kls)) if kls else None,
         "top1_agreement": float(np.mean(top1)) if top1 else None,
-        "tiers": store.tiers.cache.metrics if store is not None else None,
+        "tiers": None if store is None else {
+            **store.tiers.cache.metrics, "duplicate_bytes": store.tiers.cache.duplicate_bytes()},
         "store_metrics": dataclasses.asdict(store.metrics) if store is not None else None,
         "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
         # How the queries with a stored prefix were served, and what the pool gave.

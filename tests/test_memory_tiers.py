@@ -43,13 +43,17 @@ def check_accounting(cache: ChunkCache) -> None:
         tier = cache.tiers[cache.tier_names.index(name)]
         assert m[name]["used_bytes"] == sum(tier.chunks[k].nbytes for k in keys)
         assert m[name]["used_bytes"] <= m[name]["capacity_bytes"]
+    both = gpu & cpu
     if cache.config.exclusive:
-        assert not gpu & cpu
+        assert not both
+    assert cache.duplicate_bytes() == sum(cache.tiers[0].chunks[k].nbytes for k in both)
 
 
-def test_round_trip_disk_cpu_gpu_cpu_is_bit_exact():
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_round_trip_disk_cpu_gpu_cpu_is_bit_exact(exclusive: bool):
     # GPU holds one chunk; CPU plenty. Lfu so that frequencies alone decide the moves.
-    cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=8 * CHUNK_BYTES, policy="lfu"))
+    cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=8 * CHUNK_BYTES, policy="lfu",
+                                  exclusive=exclusive))
     a, x = key(1, 0), key(1, 1)
     disk = {a: chunk(1), x: chunk(2)}
     assert cache.admit(a, disk[a], 1.0) == "gpu"
@@ -66,9 +70,15 @@ def test_round_trip_disk_cpu_gpu_cpu_is_bit_exact():
     assert where == "cpu" and same_bits(back, disk[x]) and same_bits(t, disk[a])
     m = cache.metrics
     assert m["gpu"]["promotions"] == 2 and m["cpu"]["promotions"] == 2
-    assert m["gpu"]["demotions"] == 2 and m["cpu"]["demotions"] == 2
     assert m["gpu"]["evictions"] == 2 and m["drops"] == 0
     assert m["gpu"]["hits"] == 0 and m["gpu"]["misses"] == 4 and m["cpu"]["hits"] == 4
+    if exclusive:       # each GPU eviction copied its chunk down
+        assert m["gpu"]["demotions"] == 2 and m["cpu"]["demotions"] == 2
+        assert m["free_evictions"] == 0 and cache.duplicate_bytes() == 0
+    else:               # the CPU kept both copies: the GPU's evictions cost nothing
+        assert m["gpu"]["demotions"] == 0 and m["cpu"]["demotions"] == 0
+        assert m["free_evictions"] == 2 and cache.duplicate_bytes() == CHUNK_BYTES
+        assert cache.resident_keys("cpu") == {a, x} and cache.resident_keys("gpu") == {a}
     check_accounting(cache)
 
 
@@ -81,7 +91,7 @@ def test_random_workload_respects_capacity(policy: str, exclusive: bool):
     keys = list(disk)
     cache = ChunkCache(TierConfig(gpu_bytes=9_000, cpu_bytes=20_000, policy=policy,
                                   exclusive=exclusive))
-    gets = 0
+    gets = shared = 0
     for step in range(2500):
         k = keys[min(int(rng.paretovariate(1.2)) - 1, len(keys) - 1) if rng.random() < 0.7
                   else rng.randrange(len(keys))]
@@ -90,7 +100,11 @@ def test_random_workload_respects_capacity(policy: str, exclusive: bool):
         if step % 400 == 399:
             cache.invalidate_version(rng.randrange(8), 0, 0)
         check_accounting(cache)
+        shared += cache.duplicate_bytes() > 0
     m = cache.metrics
+    # Non-exclusive tiers hold chunks in both at once, most of the time.
+    assert (shared == 0) if exclusive else (shared > 1000), shared
+    assert (m["free_evictions"] == 0) == exclusive
     assert m["gpu"]["hits"] + m["gpu"]["misses"] == gets
     assert m["cpu"]["hits"] + m["cpu"]["misses"] == m["gpu"]["misses"]
     assert m["gpu"]["evictions"] > 0 and m["cpu"]["evictions"] > 0
@@ -116,18 +130,20 @@ def zipf_trace(n_keys: int, n_req: int, seed: int) -> tuple[list[int], list[floa
     return trace, ratio_of
 
 
-def run_trace(policy: str, trace: list[int], ratios: list[float]) -> ChunkCache:
+def run_trace(policy: str, trace: list[int], ratios: list[float],
+              exclusive: bool = False) -> ChunkCache:
     disk = {key(0, i): chunk(i) for i in set(trace)}
     cache = ChunkCache(TierConfig(gpu_bytes=20 * CHUNK_BYTES, cpu_bytes=40 * CHUNK_BYTES,
-                                  policy=policy))
+                                  policy=policy, exclusive=exclusive))
     for i in trace:
         read(cache, key(0, i), disk, ratios[i])
     return cache
 
 
-def test_score_policy_keeps_valuable_chunks_on_gpu():
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_score_policy_keeps_valuable_chunks_on_gpu(exclusive: bool):
     trace, ratios = zipf_trace(300, 6000, seed=3)
-    score, lru = run_trace("score", trace, ratios), run_trace("lru", trace, ratios)
+    score, lru = (run_trace(p, trace, ratios, exclusive) for p in ("score", "lru"))
     hit_ratio = {}
     for name, cache in (("score", score), ("lru", lru)):
         g = cache.metrics["gpu"]
@@ -137,12 +153,20 @@ def test_score_policy_keeps_valuable_chunks_on_gpu():
     counts = {i: trace.count(i) for i in set(trace)}
     best = sorted(counts, key=lambda i: counts[i] * ratios[i] ** 1.2, reverse=True)[:10]
     assert sum(score.resident(key(0, i)) == "gpu" for i in best) >= 9
-    assert score.metrics["gpu"]["promotions"] > 0 and score.metrics["cpu"]["demotions"] > 0
+    m = score.metrics
+    assert m["gpu"]["promotions"] > 0
+    # Exclusive: every GPU eviction copies down or drops; non-exclusive: the CPU still held
+    # most of the GPU's victims.
+    g = m["gpu"]
+    if exclusive:
+        assert m["cpu"]["demotions"] > 0 and m["free_evictions"] == 0
+    else:
+        assert m["free_evictions"] > 0 and g["demotions"] < g["evictions"] / 2
 
 
 def test_zero_ratio_chunk_never_displaces_anything():
-    cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=CHUNK_BYTES))
-    assert cache.admit(key(1, 0), chunk(0), 0.1) == "gpu"
+    cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=2 * CHUNK_BYTES))
+    assert cache.admit(key(1, 0), chunk(0), 0.1) == "gpu"       # and a CPU copy
     assert cache.admit(key(1, 1), chunk(1), 0.1) == "cpu"
     for _ in range(20):
         assert cache.get(key(1, 2), 0.0) is None
@@ -170,13 +194,23 @@ def test_frequent_chunk_earns_its_way_in_and_stats_are_bounded():
     assert cache.resident(newcomer) == "gpu"     # resident chunks survive stats aging
 
 
-def test_exclusive_vs_inclusive_residency():
+def test_tiers_are_non_exclusive_by_default():
+    assert TierConfig().exclusive is False and TierConfig().copies == "non-exclusive"
+    assert TierConfig(exclusive=True).copies == "exclusive"
+    cache = ChunkCache(TierConfig(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES))
+    k = key(1, 0)
+    assert cache.admit(k, chunk(0), 0.8) == "gpu"
+    assert k in cache.resident_keys("gpu") and k in cache.resident_keys("cpu")
+    check_accounting(cache)
+
+
+def test_exclusive_vs_non_exclusive_residency():
     big = TierConfig(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES, exclusive=False)
     cache = ChunkCache(big)
     k = key(1, 0)
     assert cache.admit(k, chunk(0), 0.8) == "gpu"
     assert k in cache.resident_keys("gpu") and k in cache.resident_keys("cpu")
-    # Inclusive promotion keeps the CPU copy.
+    # A non-exclusive promotion keeps the CPU copy.
     inc = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES,
                                 policy="lfu", exclusive=False))
     inc.admit(key(1, 0), chunk(0), 1.0)
@@ -192,6 +226,47 @@ def test_exclusive_vs_inclusive_residency():
     assert exc.resident_keys("cpu") == frozenset()
 
 
+def test_non_exclusive_admission_follows_each_tiers_comparison():
+    cache = ChunkCache(TierConfig(gpu_bytes=2 * CHUNK_BYTES, cpu_bytes=3 * CHUNK_BYTES,
+                                  policy="lfu"))
+    a, b, c, d = (key(1, i) for i in range(4))
+    assert cache.admit(a, chunk(0), 1.0) == "gpu" and cache.admit(b, chunk(1), 1.0) == "gpu"
+    assert cache.admit(c, chunk(2), 1.0) == "cpu"   # GPU full, 1 ties its minimum; CPU room
+    assert cache.admit(d, chunk(3), 1.0) is None    # both full, 1 beats neither minimum
+    assert cache.get(d, 1.0) is None                # d: 2 accesses, then 3 with the admit
+    assert cache.admit(d, chunk(3), 1.0) == "gpu"   # beats both minimums (a, the oldest 1)
+    assert cache.resident_keys("gpu") == {b, d} and cache.resident_keys("cpu") == {b, c, d}
+    m = cache.metrics
+    # a's GPU copy left free (the CPU still had a), then the CPU dropped a to disk-only.
+    assert m["gpu"]["evictions"] == m["cpu"]["evictions"] == 1
+    assert m["free_evictions"] == 1 and m["drops"] == 1 and m["gpu"]["demotions"] == 0
+    check_accounting(cache)
+    assert same_bits(cache.get(d, 1.0)[1], chunk(3))
+
+
+def test_non_exclusive_gpu_victim_without_a_cpu_copy_is_demoted():
+    # Big chunks never fit the GPU tier; two of them push the small chunk a out of the CPU
+    # while the GPU keeps it. A later GPU eviction of a must then copy it down.
+    cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES,
+                                  policy="lfu"))
+    a, x = key(1, 0), key(1, 1)
+    big = {key(2, i): chunk(10 + i, 2 * CHUNK_ELEMS) for i in range(2)}
+    assert cache.admit(a, chunk(0), 1.0) == "gpu"
+    for k, t in big.items():
+        assert read(cache, k, big, 1.0) is None and cache.resident(k) == "cpu"
+    assert cache.resident_keys("gpu") == {a} and a not in cache.resident_keys("cpu")
+    assert cache.metrics["free_evictions"] == 1         # a left the CPU, kept by the GPU
+    for _ in range(3):
+        assert cache.get(a, 1.0)[0] == "gpu"             # a: 4 accesses, above the big ones
+    disk = {x: chunk(1)}
+    while cache.resident(x) != "gpu":
+        read(cache, x, disk, 1.0)
+    m = cache.metrics
+    assert m["gpu"]["demotions"] == m["cpu"]["demotions"] == 1 and m["drops"] >= 1
+    assert cache.resident(a) == "cpu" and same_bits(cache.get(a, 1.0)[1], chunk(0))
+    check_accounting(cache)
+
+
 def test_chunk_bigger_than_tier_never_enters_it():
     cache = ChunkCache(TierConfig(gpu_bytes=1000, cpu_bytes=10_000))
     k = key(1, 0)
@@ -205,21 +280,33 @@ def test_chunk_bigger_than_tier_never_enters_it():
     check_accounting(cache)
 
 
-def test_invalidate_drops_the_right_keys_and_frees_bytes():
-    cache = ChunkCache(TierConfig(gpu_bytes=6 * CHUNK_BYTES, cpu_bytes=30 * CHUNK_BYTES))
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_invalidate_drops_the_right_keys_and_frees_bytes(exclusive: bool):
+    # 32 chunks: all fit (exclusive: 6 + 30 distinct; non-exclusive: the CPU alone holds 32).
+    cache = ChunkCache(TierConfig(gpu_bytes=6 * CHUNK_BYTES,
+                                  cpu_bytes=(30 if exclusive else 32) * CHUNK_BYTES,
+                                  exclusive=exclusive))
     keys = [key(n, i, layer, ver, kind) for n in (1, 2) for layer in (0, 1) for ver in (0, 1)
             for kind in ("k", "v") for i in range(2)]
     for j, k in enumerate(keys):
         cache.admit(k, chunk(j), 0.5)
     assert all(cache.resident(k) is not None for k in keys)
+
+    def copies(ks) -> int:
+        return sum(k in cache.resident_keys(t) for t in ("gpu", "cpu") for k in ks)
+
     used = cache.metrics["gpu"]["used_bytes"] + cache.metrics["cpu"]["used_bytes"]
     gone = [k for k in keys if k[0] == 1 and k[1] == 1 and k[2] == 0]
-    assert cache.invalidate_version(1, 1, 0) == len(gone) == 4
+    n_gone = copies(gone)
+    assert len(gone) == 4 and n_gone == (4 if exclusive else 4 + len(
+        set(gone) & cache.resident_keys("gpu")))
+    assert cache.invalidate_version(1, 1, 0) == n_gone
     assert all(cache.resident(k) is None for k in gone)
     assert all(k not in cache._stats for k in gone)
     after = cache.metrics["gpu"]["used_bytes"] + cache.metrics["cpu"]["used_bytes"]
-    assert after == used - 4 * CHUNK_BYTES
-    assert cache.invalidate(2) == 16
+    assert after == used - n_gone * CHUNK_BYTES
+    node2 = copies([k for k in keys if k[0] == 2])
+    assert node2 >= 16 and cache.invalidate(2) == node2
     left = {k for k in keys if k[0] == 1 and k not in gone}
     assert cache.resident_keys("gpu") | cache.resident_keys("cpu") == left
     assert cache.invalidate(2) == 0 and cache.invalidate(99) == 0
@@ -233,7 +320,7 @@ def test_invalidate_drops_the_right_keys_and_frees_bytes():
 def test_metrics_fields_and_reset():
     cache = ChunkCache(TierConfig(gpu_bytes=2 * CHUNK_BYTES, cpu_bytes=2 * CHUNK_BYTES))
     m = cache.metrics
-    assert set(m) == {"gpu", "cpu", "drops", "corrupt_copies"}
+    assert set(m) == {"gpu", "cpu", "drops", "corrupt_copies", "free_evictions"}
     for tier in ("gpu", "cpu"):
         assert set(m[tier]) == set(COUNTERS)
     assert m["gpu"]["capacity_bytes"] == 2 * CHUNK_BYTES
@@ -246,7 +333,8 @@ def test_metrics_fields_and_reset():
     check_accounting(cache)
     cache.reset_metrics()
     m = cache.metrics
-    assert m["drops"] == 0 and all(m[t][c] == 0 for t in ("gpu", "cpu") for c in COUNTERS[:7])
+    assert m["drops"] == m["free_evictions"] == 0
+    assert all(m[t][c] == 0 for t in ("gpu", "cpu") for c in COUNTERS[:7])
     assert m["gpu"]["used_bytes"] > 0          # reset clears counters, not residency
 
 

@@ -31,6 +31,13 @@ def test_reproduce_quick_writes_every_part(tmp_path):
                                                           "All (impress)"]
     assert ablation["reorder"]["without"] > 0 and ablation["reorder"]["with"] > 0
     assert set(ablation["gpu_hit_ratio"]) == {"LRU", "LFU", "score (impress)"}
+    # Non-exclusive tiers by default; impress is measured under both modes.
+    assert serving["tiers"]["copies"] == "non-exclusive" and not serving["tiers"]["exclusive"]
+    copies = ablation["tier_copies"]
+    assert set(copies) == {"non-exclusive", "exclusive"}
+    assert copies["non-exclusive"]["label"] == "impress"
+    assert copies["exclusive"]["duplicate_bytes"] == 0
+    assert copies["exclusive"]["free_evictions"] == 0
     sens = json.loads((out / "sensitivity.json").read_text())
     knobs = {r["knob"] for r in sens["results"]}
     assert knobs == {"retention", "chunk_size", "threshold", "probe_heads"}

@@ -143,6 +143,14 @@ def test_the_config_holds_what_the_flags_said_once():
         config.plan_line() and "20 MB/s" in config.plan_line()
 
 
+def test_tiers_are_non_exclusive_unless_the_flag_says_exclusive():
+    assert ServiceConfig().tiers.exclusive is False
+    assert ServiceConfig.from_args(run.parse_args([])).tiers.exclusive is False
+    for parse in (run.parse_args, serve.parse_args):
+        tiers = ServiceConfig.from_args(parse(["--exclusive-tiers"])).tiers
+        assert tiers.exclusive is True and tiers.copies == "exclusive"
+
+
 def test_run_and_serve_build_the_same_config_from_the_same_flags():
     assert ServiceConfig.from_args(run.parse_args(FLAGS)) == \
         ServiceConfig.from_args(serve.parse_args(FLAGS))

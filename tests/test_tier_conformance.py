@@ -108,18 +108,25 @@ def chained_tier(position: int) -> Callable:
     return make
 
 
-def memory_chain(request, n_chunks: int) -> Subject:
+def memory_chain(exclusive: bool) -> Callable:
+    def make(request, n_chunks: int) -> Subject:
+        return _memory_chain(n_chunks, exclusive)
+    return make
+
+
+def _memory_chain(n_chunks: int, exclusive: bool) -> Subject:
     """The GPU and CPU tiers as one tier, as a store's TierStack holds them (half the
     capacity each); CRC checks on every hit."""
     capacity = n_chunks * CHUNK_BYTES
     cfg = TierConfig(gpu_bytes=capacity // 2, cpu_bytes=capacity - capacity // 2,
-                     verify_hits=True)
+                     exclusive=exclusive, verify_hits=True)
     chain = TierStack(ChunkCache(cfg, gpu_device=torch.device("cpu"))).memory
     cache = chain.cache
 
     def damage(i: int) -> None:
-        held = next(t for t in cache.tiers if chunk_key(i) in t.chunks)
-        flip_byte(held.chunks[chunk_key(i)].tensor)
+        # Every copy: a sound copy in another tier would rightly be served instead.
+        for held in (t for t in cache.tiers if chunk_key(i) in t.chunks):
+            flip_byte(held.chunks[chunk_key(i)].tensor)
 
     return Subject(
         chain, chunk_key,
@@ -250,7 +257,8 @@ TIERS: dict[str, Callable[..., Subject]] = {
     "memory-cpu": memory_tier("cpu"),
     "chain-gpu-on-host": chained_tier(0),
     "chain-cpu": chained_tier(1),
-    "memory-chain": memory_chain,
+    "memory-chain": memory_chain(exclusive=False),
+    "memory-chain-exclusive": memory_chain(exclusive=True),
     "disk": disk_tier,
     "redis": redis_tier,
 }
@@ -618,7 +626,7 @@ class ThreeTiers(TierConfig):
 
 
 def test_three_tiers_promote_to_the_first_and_demote_down_the_chain():
-    cache = ChunkCache(ThreeTiers(policy="lfu"))
+    cache = ChunkCache(ThreeTiers(policy="lfu", exclusive=True))
     a, b, c, d = (chunk_key(i) for i in range(4))
     disk = {k: chunk(i) for i, k in enumerate((a, b, c, d))}
     assert cache.admit(a, disk[a], 1.0) == "t0"
@@ -650,12 +658,18 @@ def test_three_tiers_promote_to_the_first_and_demote_down_the_chain():
         assert same_bits(cache.get(k, 1.0)[1], disk[k])
 
 
-def test_three_tiers_inclusive_admit_also_fills_the_next_tier_only():
-    cache = ChunkCache(ThreeTiers(policy="lfu", exclusive=False))
+def test_three_tiers_non_exclusive_admit_offers_every_tier():
+    cache = ChunkCache(ThreeTiers(policy="lfu"))
     a, b = chunk_key(0), chunk_key(1)
     assert cache.admit(a, chunk(0), 1.0) == "t0"
-    assert [a in cache.resident_keys(n) for n in cache.tier_names] == [True, True, False]
-    assert cache.admit(b, chunk(1), 1.0) == "t2"            # t0 and t1 hold a (tie): refused
-    assert cache.resident_keys("t2") == {b}
-    cache.invalidate(1)                                     # node 1: every copy of a and b
+    assert [a in cache.resident_keys(n) for n in cache.tier_names] == [True, True, True]
+    assert cache.admit(b, chunk(1), 1.0) is None            # every tier holds a (tie)
+    assert cache.get(b, 1.0) is None                        # b: 2, then 3 with the admit
+    assert cache.admit(b, chunk(1), 1.0) == "t0"            # beats a in every tier
+    assert [cache.resident_keys(n) for n in cache.tier_names] == [{b}, {b}, {b}]
+    # a left t0 and t1 for free (a copy was still further down), then t2 dropped it.
+    m = cache.metrics
+    assert m["free_evictions"] == 2 and m["drops"] == 1
+    assert cache.duplicate_bytes() == CHUNK_BYTES
+    cache.invalidate(1)                                     # node 1: every copy of b
     assert all(not cache.resident_keys(n) for n in cache.tier_names)

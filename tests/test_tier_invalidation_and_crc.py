@@ -1,6 +1,7 @@
 """Safety of the chunk tiers: invalidation that late reads cannot undo, and CRC-checked copies."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import zlib
@@ -70,7 +71,7 @@ def test_late_admit_of_an_invalidated_version_is_refused():
     assert cache.admit(key(3, 0, layer=1, version=2), chunk(2), 0.5) == "gpu"
     # A floor also covers older versions, and drops their copies.
     assert cache.admit(key(4, 0, layer=1, version=0), chunk(6), 0.5) == "gpu"
-    assert cache.invalidate_version(4, 1, 1) == 1
+    assert cache.invalidate_version(4, 1, 1) == 2     # its GPU copy and its CPU copy
     for version in (0, 1):
         k = key(4, 0, layer=1, version=version)
         assert cache.admit(k, chunk(1), 0.5) is None
@@ -84,8 +85,9 @@ def test_late_admit_of_an_invalidated_version_is_refused():
 
 
 def test_corrupted_cpu_copy_is_not_promoted(crc_impl):
+    # Exclusive tiers: the CRC must travel with a demoted copy (non-exclusive: below).
     cache = ChunkCache(TierConfig(gpu_bytes=CHUNK_BYTES, cpu_bytes=8 * CHUNK_BYTES,
-                                  policy="lfu"), gpu_device=CPU)
+                                  policy="lfu", exclusive=True), gpu_device=CPU)
     a, x = key(1, 0), key(1, 1)
     disk = {a: chunk(1), x: chunk(2)}
     assert cache.admit(a, disk[a], 1.0, crc=disk_crc(disk[a])) == "gpu"
@@ -124,7 +126,8 @@ def test_copies_without_crc_are_never_checked():
 
 
 def test_verify_hits_refuses_corrupted_copies(crc_impl):
-    cfg = TierConfig(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES, verify_hits=True)
+    cfg = TierConfig(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES, verify_hits=True,
+                     exclusive=True)
     cache = ChunkCache(cfg, gpu_device=CPU)
     k = key(2, 0)
     t = chunk(5)
@@ -135,6 +138,14 @@ def test_verify_hits_refuses_corrupted_copies(crc_impl):
     m = cache.metrics
     assert m["corrupt_copies"] == 1 and cache.resident(k) is None
     assert m["gpu"]["hits"] == 1 and m["gpu"]["misses"] == 1 and m["cpu"]["misses"] == 1
+    # Non-exclusive: the CPU's sound copy is served and promoted in place of the bad one.
+    both = ChunkCache(dataclasses.replace(cfg, exclusive=False), gpu_device=CPU)
+    assert both.admit(k, t, 0.8, crc=disk_crc(t)) == "gpu"
+    flip(both, "gpu", k)
+    where, served = both.get(k, 0.8)
+    assert where == "cpu" and same_bits(served, t) and both.metrics["corrupt_copies"] == 1
+    assert both.resident(k) == "gpu" and same_bits(both.get(k, 0.8)[1], t)
+    assert k in both.resident_keys("cpu")
     # A CPU hit that is not promoted is checked too.
     tiny = ChunkCache(TierConfig(gpu_bytes=0, cpu_bytes=4 * CHUNK_BYTES, verify_hits=True),
                       gpu_device=CPU)

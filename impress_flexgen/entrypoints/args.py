@@ -221,6 +221,11 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
                    help=f"GPU tier capacity ({gpu_cache_default})")
     t.add_argument("--cpu-cache-gb", type=finite_float(0), default=None,
                    help=f"CPU tier capacity ({cpu_cache_default})")
+    t.add_argument("--exclusive-tiers", action="store_true",
+                   help="keep at most one memory copy of a chunk (GPU or CPU): more distinct "
+                        "chunks fit, every promotion and demotion copies; default: "
+                        "non-exclusive tiers, a chunk may sit in both and a GPU eviction of "
+                        "one the CPU still holds costs nothing")
     t.add_argument("--verify-tier-hits", action="store_true",
                    help="check the CRC of every GPU and CPU tier hit, not only of copies "
                         "promoted to the GPU tier (slower; for debugging)")

@@ -50,8 +50,8 @@ def serve_workload(rt, args, root: Path) -> int:
           f"{args.query_tokens} tokens ({args.distribution}); prefix KV {pool / 2**20:.1f} MiB")
     disk = "unlimited" if store.disk_capacity_bytes is None else \
         f"{store.disk_capacity_bytes / GB:g} GB"
-    print(f"tiers: GPU {tiers.gpu_bytes / 2**20:.1f} MiB, CPU {tiers.cpu_bytes / 2**20:.1f} MiB, "
-          f"disk {disk}; store {root}")
+    print(f"tiers: GPU {tiers.gpu_bytes / 2**20:.1f} MiB, CPU {tiers.cpu_bytes / 2**20:.1f} MiB "
+          f"({tiers.copies}), disk {disk}; store {root}")
     print(config.plan_line())
     reference = {} if args.check else None
     results, sample = [], {}
@@ -84,6 +84,7 @@ def serve_workload(rt, args, root: Path) -> int:
         "queries": len(wl.queries), "query_tokens": args.query_tokens,
         "distribution": args.distribution, "sources": wl.sources, "pool_kv_bytes": pool,
         "gpu_tier_bytes": tiers.gpu_bytes, "cpu_tier_bytes": tiers.cpu_bytes,
+        "tier_copies": tiers.copies,
         "shared_pool": redact_url(tiers.remote_url) if tiers.remote_url else None,
         "disk_read_limit_mb_s": store.read_limit_mb_s},
         "results": results})

@@ -4,9 +4,21 @@ Disk always holds every chunk, so the memory tiers only decide which *copies* ar
 scarce fast memory. IMPRESS argues that recency is the wrong signal for that: a chunk that is
 read often *and* holds many important tokens saves the most disk I/O, so each chunk is scored
 by frequency x important_ratio**alpha and each tier keeps its highest-scoring chunks. LRU and
-LFU are kept as baselines. Because evicted chunks never need writing back, an eviction from
-tier i is only a demotion to tier i+1 (when the chunk beats that tier's minimum) or, from the
-last tier, a drop to disk-only. A hit below the first tier may be promoted to the first.
+LFU are kept as baselines. Evicted chunks never need writing back. Every move is decided by
+one comparison: a chunk enters a tier when its score beats that tier's minimum (the fewest
+lowest-scored chunks leave to make room).
+
+Non-exclusive tiers (the default, as in the paper): the same chunk may sit in GPU memory, CPU
+memory and on disk at once. A disk read is offered to every tier and each takes it by its own
+comparison; a CPU hit that beats the GPU minimum is copied up and keeps its CPU copy; an
+evicted copy whose chunk another tier still holds costs nothing (no copy, nothing lost), and
+one held nowhere else is demoted to the next tier by the comparison, or from the last tier
+dropped to disk-only. Since every tier ranks by the same score, the CPU tends to hold the GPU's
+chunks too (GPU evictions are then free), but nothing enforces inclusion: the CPU may evict a
+chunk the GPU keeps. The price is capacity: a chunk held twice takes room in both.
+Exclusive tiers (TierConfig.exclusive): a chunk has at most one memory copy; a disk read goes
+to the first tier that takes it, a promotion moves the chunk, and every eviction from the GPU
+is a demotion (a copy) or a drop. More distinct chunks fit; every move copies.
 
 Keys (node_id, layer, version, kind, idx) name immutable bytes: the store never reuses a node
 id and bumps the version when it rewrites a layer. Invalidation therefore leaves a tombstone,
@@ -52,7 +64,8 @@ class TierConfig:
     cpu_bytes: int = 0        # capacity of the CPU tier in bytes (0 = tier disabled)
     policy: str = "score"     # "score" | "lru" | "lfu"
     alpha: float = 1.2        # exponent on the important-token ratio (score policy)
-    exclusive: bool = True    # True: a chunk lives in at most one tier (as in the paper)
+    exclusive: bool = False   # True: a chunk has at most one memory copy (default: copies
+                              # in several tiers at once, the paper's non-exclusive tiers)
     verify_hits: bool = False  # True: check every hit's CRC (a GPU copy via the host); debug
     remote_url: str | None = None  # a shared pool (redis://HOST:PORT/DB) behind the disk
     remote_secret: str | None = dataclasses.field(default=None, repr=False)  # values' HMAC key
@@ -65,6 +78,11 @@ class TierConfig:
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         return (TierSpec(GPU, self.gpu_bytes, str(accelerator)),
                 TierSpec(CPU, self.cpu_bytes, "cpu"))
+
+    @property
+    def copies(self) -> str:
+        """How the memory tiers share chunks, in words (start-up lines, result records)."""
+        return "exclusive" if self.exclusive else "non-exclusive"
 
     def names(self, remote: bool) -> tuple[str, ...]:
         """Every tier a chunk can be served from, fastest first (for per-tier counters)."""
@@ -105,7 +123,8 @@ class ChunkCache:
         self._stats: collections.OrderedDict[ChunkKey, ChunkStats] = collections.OrderedDict()
         self._by_node: dict[Hashable, set[ChunkKey]] = {}  # so invalidation never scans
         self._clock = itertools.count(1)
-        self._drops = 0
+        self._drops = 0            # evicted copies of chunks no tier holds after: disk-only
+        self._free_evictions = 0   # evicted copies of chunks another tier still holds
         # Tombstones (see max_tombstones): invalidated nodes, and per node the newest
         # invalidated version of each layer (that version and older ones are dead).
         self._dead_nodes: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
@@ -153,7 +172,8 @@ class ChunkCache:
               crc: int | None = None) -> str | None:
         """Offer a chunk just read from disk; returns the first tier that took a copy, or None.
 
-        It goes to the first tier that takes it (with exclusive=False, also to the next).
+        Non-exclusive tiers: every tier takes a copy whose comparison the chunk wins (its score
+        beats the tier's minimum); exclusive tiers: only the first that takes it.
         crc: the CRC-32 of the chunk's payload bytes as stored on disk (payload_crc(tensor)
         of the bytes read); kept with the copy to check it later. None: never checked.
         A key of an invalidated node or version is refused (None), even by a read that
@@ -173,17 +193,17 @@ class ChunkCache:
             size = nbytes(tensor)
             placed: int | None = None
             for i, tier in enumerate(self.tiers):
-                if placed is not None and (self.config.exclusive or i > placed + 1):
-                    break
                 if self._place(i, key, stats, size, lambda t=tier: t.copy_in(tensor), crc):
                     placed = i if placed is None else placed
+                    if self.config.exclusive:
+                        break
             return None if placed is None else self.tiers[placed].name
 
     def invalidate(self, node_id: Hashable) -> int:
         """Forget every chunk and statistic of a radix node and refuse its keys from now on
         (see max_tombstones); returns tier copies dropped."""
         with self._lock:
-            dropped = self._forget(list(self._by_node.get(node_id, ())))
+            dropped, _ = self._forget(list(self._by_node.get(node_id, ())))
             if not self._off:
                 self._bury_node(node_id)
             return dropped
@@ -193,16 +213,16 @@ class ChunkCache:
         from now on (see max_tombstones); returns tier copies dropped."""
         with self._lock:
             keys = [k for k in self._by_node.get(node_id, ()) if k[1] == layer and k[2] <= version]
-            dropped = self._forget(keys)
+            dropped, _ = self._forget(keys)
             if not self._off and node_id not in self._dead_nodes:
                 self._bury_version(node_id, layer, version)
             return dropped
 
     def forget(self, keys: list[ChunkKey]) -> int:
         """Drop these keys' copies and statistics, without a tombstone (they may come
-        back); returns tier copies dropped."""
+        back); returns how many of the keys had a copy (in one tier or several)."""
         with self._lock:
-            return self._forget(keys)
+            return self._forget(keys)[1]
 
     def clear(self) -> None:
         """Drop every cached copy and all statistics (metrics are kept; see reset_metrics).
@@ -223,6 +243,20 @@ class ChunkCache:
         with self._lock:
             return [self._where(key) for key in keys]
 
+    def duplicate_bytes(self) -> int:
+        """Bytes of the chunks held by more than one tier, each counted once: what
+        non-exclusive tiers spend on duplicates. A scan of the copies (results, tests), so
+        it is not one of `metrics`, which a server reads often."""
+        with self._lock:
+            seen: set = set()
+            shared = 0
+            for i, tier in enumerate(self.tiers):
+                for key, res in tier.chunks.items():
+                    if key not in seen and any(key in t.chunks for t in self.tiers[i + 1:]):
+                        seen.add(key)
+                        shared += res.nbytes
+            return shared
+
     def resident_keys(self, tier: str) -> frozenset:
         """Keys held by one tier (by name, e.g. "gpu" or "cpu"); for diagnostics and tests."""
         held = self._by_name.get(tier)
@@ -239,6 +273,7 @@ class ChunkCache:
                 out[tier.name] = dict(tier.counters, used_bytes=tier.used,
                                       capacity_bytes=tier.capacity)
             out["drops"] = self._drops
+            out["free_evictions"] = self._free_evictions
             out["corrupt_copies"] = sum(t.corrupt_copies for t in self.tiers)
             return out
 
@@ -247,6 +282,7 @@ class ChunkCache:
             for tier in self.tiers:
                 tier.reset_counters()
             self._drops = 0
+            self._free_evictions = 0
 
     # ------------------------------------------------------------------ tombstones
     def _dead(self, key: ChunkKey) -> bool:
@@ -335,52 +371,55 @@ class ChunkCache:
         return True
 
     def _evict(self, i: int, victims: list[ChunkKey]) -> None:
-        """Evict from tier i; its victims are demoted to tier i+1 best-first (so the next
-        tier keeps the more valuable ones), or from the last tier dropped."""
+        """Evict from tier i. A victim another tier still holds (non-exclusive tiers) costs
+        nothing; the others are demoted to tier i+1 best-first (so the next tier keeps the
+        more valuable ones) where they win its comparison, else dropped to disk-only."""
         removed = self.tiers[i].evict(victims)
-        below = self.tiers[i + 1:]
-        if not below:
-            self._drops += sum(1 for key, _ in removed if self._where(key) is None)
-        else:
-            nxt = below[0]
-            for key, res in reversed(removed):
-                if any(key in t.chunks for t in below):  # inclusive: a copy is further down
-                    continue
-                if self._place(i + 1, key, res.stats, res.nbytes,
-                               lambda t=res.tensor: nxt.copy_in(t), res.crc):
-                    self.tiers[i].counters["demotions"] += 1
-                    nxt.counters["demotions"] += 1
-                elif self._where(key) is None:
-                    self._drops += 1
+        nxt = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+        for key, res in reversed(removed):
+            if self._where(key) is not None:
+                self._free_evictions += 1
+            elif nxt is not None and self._place(i + 1, key, res.stats, res.nbytes,
+                                                 lambda t=res.tensor: nxt.copy_in(t), res.crc):
+                self.tiers[i].counters["demotions"] += 1
+                nxt.counters["demotions"] += 1
+            else:
+                self._drops += 1
         for key, _ in removed:
             self._unindex_if_gone(key)
 
     def _promote(self, j: int, key: ChunkKey, res: Resident,
                  victims: list[ChunkKey]) -> torch.Tensor:
-        """Copy tier j's chunk to the first tier, evicting `victims` (from victims())."""
+        """Copy tier j's chunk to the first tier, evicting `victims` (from victims()); tier j
+        keeps its copy unless the tiers are exclusive."""
         source, first = self.tiers[j], self.tiers[0]
         if self.config.exclusive:
             # Leave tier j first so that the first tier's demoted minimums can use the space.
             source.remove(key)
+        # Non-exclusive: the first tier's victims all score below this chunk, so none of the
+        # demotions below can push its own copy out of tier j.
         self._evict(0, victims)
         # Pinned source: the copy may overlap; the caching host allocator keeps the source
-        # alive until it completes even though tier j no longer references it.
+        # alive until it completes even where tier j no longer references it.
         copy = first.copy_in(res.tensor, non_blocking=source.pin)
         first.insert(key, copy, res.nbytes, res.stats, res.crc)
         first.counters["promotions"] += 1
         source.counters["promotions"] += 1
         return copy
 
-    def _forget(self, keys: list[ChunkKey]) -> int:
-        dropped = 0
+    def _forget(self, keys: list[ChunkKey]) -> tuple[int, int]:
+        """(copies dropped, keys that had at least one)."""
+        dropped = held = 0
         for key in keys:
+            copies = dropped
             for tier in self.tiers:
                 if key in tier.chunks:
                     tier.remove(key)
                     dropped += 1
+            held += dropped > copies
             self._stats.pop(key, None)
             self._unindex_if_gone(key)
-        return dropped
+        return dropped, held
 
     def _where(self, key: ChunkKey) -> str | None:
         return next((t.name for t in self.tiers if key in t.chunks), None)

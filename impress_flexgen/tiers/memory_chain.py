@@ -95,7 +95,8 @@ class MemoryChain:
         return taken
 
     def invalidate(self, keys: Sequence[ChunkKey]) -> int:
-        """Drop these keys' copies; they may be admitted again."""
+        """Drop these keys' copies; they may be admitted again. Returns how many of the
+        keys the chain held (a chunk held by two tiers counts once)."""
         return self.cache.forget(list(keys))
 
     def metrics(self) -> dict:
