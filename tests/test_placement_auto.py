@@ -21,6 +21,13 @@ from impress_flexgen.runtime import Runtime, RuntimeConfig, resolve_spec
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def empty_weights_cache(tmp_path_factory, monkeypatch):
+    """Plans count the weights a start must write: weights this machine's cache already
+    holds (an earlier start's) would change what fits."""
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path_factory.mktemp("weights-cache")))
+
+
 def _resources(ram_gib: float, disk_gib: float, gpu_gib: float | None = None,
                root: str = "/nonexistent") -> Resources:
     """A machine with exactly this much usable (nothing kept back)."""
