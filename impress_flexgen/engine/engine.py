@@ -49,7 +49,7 @@ from ..request import Request, RequestStats, Response
 from ..runtime import Runtime
 from ..sampling import Sampler
 from ..scores import step_scores
-from ..sequence import LayerKV, Sequence
+from ..sequence import Sequence, decode_context
 from ..store import CHUNK_SIZE, CorruptNode, PrefixStore, StoreWriteFailed
 from ..store.shared import SharedMiss, shared_pool
 from ..tiers import ChunkCache, TierConfig
@@ -372,8 +372,9 @@ class Engine:
         t0 = time.perf_counter()
         seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
         extra = seq.request.max_new_tokens - 1
+        group = self.math.n_head // self.math.n_kv_head
         seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                  LayerKV(*kept[layer], extra, self.math.n_head // self.math.n_kv_head)
+                  decode_context(*kept[layer], extra, group, self.rt.policy)
                   for layer in range(self.math.n_layers)]
         seq.decode_s = time.perf_counter() - t0
 
