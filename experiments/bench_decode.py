@@ -4,7 +4,7 @@
                                        [--batch 4] [--placement cpu] [--profile] [--json PATH]
 
 `--batch N` also decodes N such requests stepped together (one batched decode step per token,
-see batch_runner) against one after another: what batching buys per step, with the weights
+see engine/runner.py) against one after another: what batching buys per step, with the weights
 where `--placement` puts them (off the compute device, every step moves them); the batch runs
 with its contexts side by side (one attention call per layer) and request by request, in
 turn, `--rounds` times. `--masked F` has each KV head leave out a fraction F of each

@@ -15,6 +15,13 @@ interpreter exit. `register_disk()` closes them from a hook that runs before Pyt
 non-daemon threads. And its copy threads open .npy files with numpy's header reader, which
 parses the header with `ast`; CPython 3.11's parser is not thread-safe ("AST constructor
 recursion depth mismatch"), so `apply()` swaps in a reader that needs no parser.
+
+FlexGen's 4-bit compression (TorchCompressedDevice) fails on a CPU whatever the placement:
+its CPU decompression writes into a workspace allocated only for a compressed KV cache
+computed on the CPU (`TypeError: object of type 'NoneType' has no len()` for weights), it
+accepts only fp16 tensors, and it returns fp16 on a GPU even for fp32 weights. `apply()`
+routes its compress and decompress through quant.py (the same bytes and arithmetic, any
+device, any float dtype), on every machine.
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ import weakref
 
 import numpy as np
 import torch
+
+from . import quant
 
 _applied = False
 _open_disks: "weakref.WeakSet" = weakref.WeakSet()
@@ -180,6 +189,8 @@ def _map_to_torch_tensor(original):
     from flexgen.pytorch_backend import DeviceType
 
     def map_to_torch_tensor(tensor, indices):
+        if isinstance(indices, list):   # FlexGen's compressed copies index with lists
+            indices = tuple(indices)
         if tensor.device.device_type != DeviceType.DISK:
             return original(tensor, indices)
         data = torch.from_numpy(open_npy(tensor.data))
@@ -204,12 +215,78 @@ def _make_npy_reads_thread_safe() -> None:
     _thread_safe_npy = True
 
 
+def compressed_allocate(self, shape, dtype, comp_config, pin_memory=None, name=None):
+    """TorchCompressedDevice.allocate for any float dtype (FlexGen's asserts fp16): the
+    tensor says what it holds; its bytes are FlexGen's (uint8 pairs, fp16 scale)."""
+    from flexgen.pytorch_backend import TorchTensor
+    from flexgen.utils import np_dtype_to_torch_dtype
+
+    if comp_config.num_bits != quant.BITS:
+        raise ValueError(f"only {quant.BITS}-bit compression exists (got {comp_config.num_bits})")
+    data_shape, scale_shape = quant.packed_shapes(shape, comp_config.group_size,
+                                                  comp_config.group_dim)
+    data = self.base_device.allocate(data_shape, np.uint8, pin_memory=pin_memory)
+    scale = self.base_device.allocate(scale_shape, np.float16, pin_memory=pin_memory)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else np_dtype_to_torch_dtype[dtype]
+    return TorchTensor(tuple(shape), torch_dtype, (data, scale, comp_config), self, name=name)
+
+
+def compressed_compress(self, tensor, comp_config):
+    """TorchCompressedDevice.compress: a torch tensor into a compressed TorchTensor on this
+    device's base device (its scale already in fp16, as a store into FlexGen's buffers
+    would make it)."""
+    from flexgen.pytorch_backend import TorchTensor
+
+    if comp_config.num_bits != quant.BITS or comp_config.symmetric:
+        raise ValueError("FlexGen's compression is asymmetric 4-bit")
+    data, scale = quant.compress(tensor, comp_config.group_size, comp_config.group_dim)
+    return TorchTensor(tuple(tensor.shape), tensor.dtype,
+                       (TorchTensor.create_from_torch(data, self.base_device),
+                        TorchTensor.create_from_torch(scale, self.base_device), comp_config),
+                       self)
+
+
+def compressed_decompress(self, tensor) -> torch.Tensor:
+    """TorchCompressedDevice.decompress: the plain tensor, in the tensor's dtype, on the
+    device that holds its bytes (a fresh one each call: FlexGen's CPU workspace is not
+    needed, so every placement works)."""
+    data, scale, comp_config = tensor.data
+    return quant.decompress(data.data, scale.data, tensor.shape, comp_config.group_size,
+                            comp_config.group_dim, tensor.dtype)
+
+
+_compression_routed = False
+
+
+def _route_compression() -> None:
+    global _compression_routed
+    if _compression_routed:
+        return
+    from flexgen import compression
+
+    indices = compression.get_compressed_indices
+
+    def get_compressed_indices(tensor, idx, shape):
+        # Tuples: torch reads a list of slices as a tensor index from 2.9 on.
+        data, scale = indices(tensor, idx, shape)
+        return tuple(data), tuple(scale)
+
+    compression.get_compressed_indices = get_compressed_indices
+    dev = compression.TorchCompressedDevice
+    dev.allocate = compressed_allocate
+    dev.compress = compressed_compress
+    dev.decompress = compressed_decompress
+    _compression_routed = True
+
+
 def apply() -> bool:
     """Patch FlexGen for CPU-only torch. Returns True when patches were applied.
 
-    The thread-safe .npy reader is installed on every machine."""
+    The thread-safe .npy reader and the compression routed through quant.py are
+    installed on every machine."""
     global _applied
     _make_npy_reads_thread_safe()
+    _route_compression()
     if _applied:
         return True
     if cuda_available():

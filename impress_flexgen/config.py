@@ -39,6 +39,21 @@ def dtype_of(name: str | None):
     return {None: None, "fp16": np.float16, "fp32": np.float32}[name]
 
 
+def runtime_memory_fields(args) -> dict:
+    """The RuntimeConfig fields of the flags of entrypoints.args' "weights and memory"
+    group (each left at its default where a program has not that flag)."""
+    out = {}
+    for flag in ("compress_weight", "compress_cache", "weight_groups", "cache_groups"):
+        if getattr(args, flag, None) is not None:
+            out[flag] = getattr(args, flag)
+    for flag, field in (("max_ram_gb", "max_ram_bytes"), ("max_disk_gb", "max_disk_bytes")):
+        if getattr(args, flag, None) is not None:
+            out[field] = int(getattr(args, flag) * GB)
+    if "compress_weight" not in out and hasattr(args, "compress_weight"):
+        out["compress_weight"] = None     # not given: --placement auto decides
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One row of a comparison: a policy and every knob that shapes its result."""
@@ -203,7 +218,8 @@ class ServiceConfig:
                              read_limit_mb_s=args.disk_read_limit)
         runtime = RuntimeConfig(model=args.model, model_path=args.model_path,
                                 placement=args.placement, offload_dir=args.offload_dir,
-                                seed=args.seed, dtype=dtype_of(args.dtype))
+                                seed=args.seed, dtype=dtype_of(args.dtype),
+                                **runtime_memory_fields(args))
         batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens",
                                                   "score_piece_tokens")
                     if getattr(args, k, None) is not None}

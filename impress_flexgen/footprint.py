@@ -11,43 +11,74 @@ from collections import Counter
 
 import numpy as np
 
+from . import quant
+
 # Working memory is sized for a forward pass over this many tokens (or the model's
 # positions, if fewer): long prompts need more, and get it from the margins.
 ACT_TOKENS = 2048
 DEVICES = ("gpu", "cpu", "disk")
 
 
-def weight_shapes(spec) -> list[list[tuple[int, ...]]]:
-    """Per FlexGen layer, in build order, the shapes its init_weight asks for (each layer is
-    placed on its own: FlexGen splits every layer by the same percentages)."""
+def weight_names(spec) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Per FlexGen layer, in build order, the (file name, shape) of each tensor its
+    init_weight asks for (each layer is placed on its own: FlexGen splits every layer by
+    the same percentages). A name may come twice (OPT reads its token table for the input
+    and the output)."""
     c = spec.config
+    layers = []
     if spec.family == "opt":
         h, v, s = c.input_dim, c.vocab_size, c.max_seq_len
-        attn = [(h, h), (h,)] * 4 + [(h,), (h,)]
-        mlp = [(4 * h, h), (4 * h,), (h, 4 * h), (h,), (h,), (h,)]  # FlexGen's MLP is 4h wide
-        first = [(v, h), (s + 2, h)]                                # token and position tables
-        last = [(h,), (h,), (v, h)]                                 # a second copy of the tokens
-    else:
-        h, q, kv, ffn = c.hidden_size, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, \
-            c.intermediate_size
-        attn = [(q, h), (kv, h), (kv, h), (h, q), (h,)]
-        mlp = [(ffn, h), (ffn, h), (h, ffn), (h,)]
-        first = [(c.vocab_size, h)]
-        last = [(h,), (c.vocab_size, h)]
-    return [first] + [attn, mlp] * c.num_hidden_layers + [last]
+        layers.append([("decoder.embed_tokens.weight", (v, h)),
+                       ("decoder.embed_positions.weight", (s + 2, h))])
+        for i in range(c.num_hidden_layers):
+            a = f"decoder.layers.{i}.self_attn"
+            attn = [(f"{a}.{p}_proj.{kind}", (h, h) if kind == "weight" else (h,))
+                    for p in ("q", "k", "v", "out") for kind in ("weight", "bias")]
+            layers.append(attn + [(f"{a}_layer_norm.weight", (h,)),
+                                  (f"{a}_layer_norm.bias", (h,))])
+            m = f"decoder.layers.{i}."     # FlexGen's MLP is 4h wide
+            layers.append([(m + "fc1.weight", (4 * h, h)), (m + "fc1.bias", (4 * h,)),
+                           (m + "fc2.weight", (h, 4 * h)), (m + "fc2.bias", (h,)),
+                           (m + "final_layer_norm.weight", (h,)),
+                           (m + "final_layer_norm.bias", (h,))])
+        layers.append([("decoder.layer_norm.weight", (h,)), ("decoder.layer_norm.bias", (h,)),
+                       ("decoder.embed_tokens.weight", (v, h))])
+        return layers
+    h, q, kv, ffn = c.hidden_size, c.n_head * c.head_dim, c.n_kv_head * c.head_dim, \
+        c.intermediate_size
+    layers.append([("embed_tokens.weight", (c.vocab_size, h))])
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        layers.append([(p + "self_attn.q_proj.weight", (q, h)),
+                       (p + "self_attn.k_proj.weight", (kv, h)),
+                       (p + "self_attn.v_proj.weight", (kv, h)),
+                       (p + "self_attn.o_proj.weight", (h, q)),
+                       (p + "input_layernorm.weight", (h,))])
+        layers.append([(p + "mlp.gate_proj.weight", (ffn, h)), (p + "mlp.up_proj.weight", (ffn, h)),
+                       (p + "mlp.down_proj.weight", (h, ffn)),
+                       (p + "post_attention_layernorm.weight", (h,))])
+    head = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    layers.append([("norm.weight", (h,)), (head, (c.vocab_size, h))])
+    return layers
 
 
-def _tensor_bytes(shape, itemsize: int, compress: bool) -> int:
-    n = int(np.prod(shape))
-    if compress and len(shape) >= 2:
-        # FlexGen's 4-bit groups of 64: packed nibbles plus an fp16 scale and minimum each.
-        return n // 2 + (n + 63) // 64 * 4
-    return n * itemsize
+def weight_shapes(spec) -> list[list[tuple[int, ...]]]:
+    """Per FlexGen layer, the shapes of weight_names."""
+    return [[shape for _, shape in layer] for layer in weight_names(spec)]
+
+
+def _tensor_bytes(shape, itemsize: int, groups) -> int:
+    """Bytes of one tensor: in the dtype, or (matrices, with `groups`) FlexGen's 4-bit
+    groups: packed pairs plus an fp16 scale and minimum per group."""
+    if groups is not None and len(shape) >= 2:
+        return quant.packed_bytes(shape, groups.size, groups.dim)
+    return int(np.prod(shape)) * itemsize
 
 
 def _split_layer(sizes: list[int], w_gpu: float, w_cpu: float) -> list[str]:
-    """The device of each tensor of one layer, by FlexGen's rule: where its middle byte falls
-    in the layer's byte range, the first part going to disk, then CPU, then GPU."""
+    """The device of each tensor of one layer, by FlexGen's rule: where its middle element
+    falls in the layer's elements (counted uncompressed, whatever the format), the first
+    part going to disk, then CPU, then GPU."""
     cuts = np.cumsum([100 - w_gpu - w_cpu, w_cpu, w_gpu])
     cum = np.cumsum(sizes)
     homes = []
@@ -64,6 +95,7 @@ class Footprint:
 
     layers: tuple[tuple[int, ...], ...]  # per FlexGen layer, bytes of each weight tensor
     counts: tuple[int, ...]              # how many layers have that byte list
+    elements: tuple[tuple[int, ...], ...]  # per such layer, elements of each tensor
     cache_bytes: int                     # FlexGen's KV cache of a full-length generation
     act_bytes: int                       # working memory of one forward pass
     load_bytes: int                      # transient while the largest tensor is made or loaded
@@ -78,9 +110,9 @@ class Footprint:
         a copy into the compute device stages per layer)."""
         out = dict.fromkeys(DEVICES, 0)
         staged = 0
-        for layer, n in zip(self.layers, self.counts):
+        for layer, n, elements in zip(self.layers, self.counts, self.elements):
             off = 0
-            for size, home in zip(layer, _split_layer(list(layer), w_gpu, w_cpu)):
+            for size, home in zip(layer, _split_layer(list(elements), w_gpu, w_cpu)):
                 out[home] += size * n
                 off += size if home != "gpu" else 0
             staged = max(staged, off)
@@ -112,13 +144,14 @@ def cache_heads(spec) -> int:
     return c.n_head if spec.family == "opt" else c.n_kv_head
 
 
-def footprint(spec, batch: int = 1, compress_weight: bool = False) -> Footprint:
+def footprint(spec, batch: int = 1, groups=None, cache_groups=None) -> Footprint:
+    """What `spec` needs: weights in its dtype (4-bit matrices with `groups`), FlexGen's KV
+    cache of a full-length generation (4-bit with `cache_groups`), working memory."""
     c = spec.config
     itemsize = np.dtype(c.dtype).itemsize
     shapes = weight_shapes(spec)
-    counts = Counter(tuple(_tensor_bytes(s, itemsize, compress_weight) for s in layer)
-                     for layer in shapes)
-    layers = tuple(counts)
+    counts = Counter((tuple(_tensor_bytes(s, itemsize, groups) for s in layer),
+                      tuple(int(np.prod(s)) for s in layer)) for layer in shapes)
     if spec.family == "opt":
         hidden, heads, ffn = c.input_dim, c.n_head, 4 * c.input_dim
         head_dim = hidden // heads
@@ -126,11 +159,19 @@ def footprint(spec, batch: int = 1, compress_weight: bool = False) -> Footprint:
         hidden, heads, head_dim, ffn = c.hidden_size, c.n_head, c.head_dim, c.intermediate_size
     # FlexGen sizes it prompt + new - 1 rows; a generation fills at most every position.
     rows = c.max_seq_len - 1
-    cache = 2 * c.num_hidden_layers * rows * batch * cache_heads(spec) * head_dim * itemsize
+    one = (rows, batch * cache_heads(spec), head_dim)
+    cache = 2 * c.num_hidden_layers * _tensor_bytes(one, itemsize, cache_groups)
     s = min(c.max_seq_len, ACT_TOKENS)
     act = (batch * s * (8 * hidden + 2 * ffn) * itemsize      # hidden states, q/k/v, MLP
            + 3 * batch * heads * s * s * 4                     # attention scores (fp32)
            + 2 * batch * c.vocab_size * 4)                     # logits
     largest = max(int(np.prod(sh)) for layer in shapes for sh in layer)
-    return Footprint(layers, tuple(counts.values()), cache, act, largest * (4 + itemsize),
+    if groups is not None:
+        # Dequantised per layer on the compute device: the largest layer's matrices at
+        # once (FlexGen's MLP holds both), and while one is made, its unpacked bytes.
+        layer_elements = max(sum(int(np.prod(sh)) for sh in layer if len(sh) >= 2)
+                             for layer in shapes)
+        act += layer_elements * itemsize + largest * 4
+    return Footprint(tuple(k for k, _ in counts), tuple(counts.values()),
+                     tuple(e for _, e in counts), cache, act, largest * (4 + itemsize),
                      np.dtype(c.dtype).name)

@@ -1,14 +1,19 @@
-"""Where a model's weights and KV cache go: FlexGen's six percentages, and a plan that checks
-them against this machine's free GPU memory, RAM and disk before anything is allocated.
+"""Where a model's weights and KV cache go: FlexGen's six percentages, the format its
+weights are held in, and a plan that checks them against this machine's free GPU memory,
+RAM and disk before anything is allocated or written.
 
     plan = make_plan(spec, cfg)          # cfg.placement: a Placement, or AUTO
-    print(plan.describe())               # bytes of weights and cache per device
-    plan.placement                       # what FlexGen's Policy gets
+    print(plan.describe())               # bytes of weights and cache per device, and why
+    plan.placement, plan.format          # what FlexGen's Policy gets
 
-`auto` fills the compute device first (the GPU; without CUDA, RAM), then CPU memory (with
-CUDA), then the disk of the offload directory, keeping margins for activations, the store's
-tiers and the rest of the machine. An explicit placement gets the same accounting and is
-refused when a device cannot hold its share: the kernel's OOM killer never decides.
+`auto` weighs the weight formats of formats.AUTO_FORMATS for the compute device, fastest
+first, and keeps the first that holds every weight in memory, else the one that leaves the
+fewest bytes on disk (each step reads those again). Within a format it fills the compute
+device first (the GPU; without CUDA, RAM), then CPU memory (with CUDA), then disk, keeping
+margins for activations, the store's tiers and the rest of the machine (--max-ram-gb,
+--max-disk-gb; by default what is free less a few GiB). An explicit placement gets the same
+accounting and is refused when a device cannot hold its share: the kernel's OOM killer
+never decides. A refusal names every option that would fit.
 """
 from __future__ import annotations
 
@@ -18,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from . import plan_text
 from .errors import UserError
 # What the model needs, wherever it goes (footprint.py; its names stay readable here).
 from .footprint import (ACT_TOKENS, DEVICES, Footprint, cache_heads,  # noqa: F401
                         footprint, weight_shapes)
+from .formats import WeightFormat, candidates
 
 GiB = 1 << 30
 # FlexGen's disk copy threads each pin a 1 Gi-element fp16 relay buffer when CUDA is present.
@@ -130,7 +137,7 @@ AUTO = AutoPlacement()
 
 @dataclasses.dataclass(frozen=True)
 class Resources:
-    """Free bytes per device, and what is kept back from each."""
+    """Free bytes per device, what is kept back from each, and the caps asked for."""
 
     cuda: bool
     gpu_free: int
@@ -140,6 +147,8 @@ class Resources:
     disk_free: int
     disk_keep: int
     offload_root: str
+    ram_cap: int | None = None    # --max-ram-gb: replaces "free less what is kept back"
+    disk_cap: int | None = None   # --max-disk-gb
 
     @property
     def gpu(self) -> int:
@@ -147,11 +156,18 @@ class Resources:
 
     @property
     def ram(self) -> int:
+        if self.ram_cap is not None:
+            return max(0, min(self.ram_cap, self.ram_free))
         return max(0, self.ram_free - self.ram_keep)
 
     @property
     def disk(self) -> int:
+        if self.disk_cap is not None:
+            return max(0, min(self.disk_cap, self.disk_free))
         return max(0, self.disk_free - self.disk_keep)
+
+    def uncapped(self) -> "Resources":
+        return dataclasses.replace(self, ram_cap=None, disk_cap=None)
 
 
 def _existing_parent(path: Path) -> Path:
@@ -161,15 +177,18 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def machine_resources(offload_root: Path) -> Resources:
+def machine_resources(offload_root: Path, max_ram: int | None = None,
+                      max_disk: int | None = None) -> Resources:
     """Free GPU memory (torch.cuda.mem_get_info), available RAM (psutil) and free disk under
-    `offload_root`, after removing scratch directories that dead processes left there.
-    Kept back: 5% of the GPU (at least 1 GiB) for the CUDA allocator, 10% of RAM (at least
-    1 GiB) for the OS and other programs, 5% of the file system (at least 2 GiB)."""
+    `offload_root` and the weights cache (the lesser), after removing scratch directories
+    that dead processes left there. Kept back unless capped: 5% of the GPU (at least 1 GiB)
+    for the CUDA allocator, 10% of RAM (at least 4 GiB) for the OS and other programs, 5% of
+    the file system (at least 4 GiB)."""
     import psutil
     import torch
 
     from . import scratch
+    from .paths import weights_dir
 
     offload_root = Path(offload_root).expanduser()
     if offload_root.is_dir():
@@ -180,13 +199,17 @@ def machine_resources(offload_root: Path) -> Resources:
         gpu_free, gpu_total = torch.cuda.mem_get_info()
         gpu_keep = max(GiB, gpu_total // 20)
     vm = psutil.virtual_memory()
+    disk_free = disk_keep = 0
     try:
-        du = shutil.disk_usage(_existing_parent(offload_root))
-        disk_free, disk_keep = du.free, max(2 * GiB, du.total // 20)
+        for where in (offload_root, weights_dir()):
+            du = shutil.disk_usage(_existing_parent(where))
+            if not disk_free or du.free < disk_free:
+                disk_free, disk_keep = du.free, max(4 * GiB, du.total // 20)
     except OSError:
         disk_free = disk_keep = 0
     return Resources(cuda, int(gpu_free), int(gpu_keep), int(vm.available),
-                     max(GiB, vm.total // 10), int(disk_free), int(disk_keep), str(offload_root))
+                     max(4 * GiB, vm.total // 10), int(disk_free), int(disk_keep),
+                     str(offload_root), max_ram, max_disk)
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,55 +220,48 @@ class Plan:
     placement: Placement
     auto: bool
     model: str
-    dtype: str
+    format: WeightFormat
     weights: dict        # bytes per device (gpu, cpu, disk)
     cache: dict          # bytes per device, at the model's every position
     needs: dict          # everything each device must hold (weights, cache, working memory)
     available: dict      # what each device can give (free less what is kept back)
     resources: Resources
+    weights_source: str = "drawn"   # made once ("cache"), or "files", or "drawn" each start
+    weights_path: str | None = None  # the weights cache's set (made once), if any
+    weights_write: int = 0          # bytes this start writes there (0: made already)
+    why: str = ""                   # why this format (auto)
+
+    @property
+    def dtype(self) -> str:
+        return self.format.dtype_name
 
     def describe(self) -> str:
-        """Two lines: the percentages, then bytes per device against what is usable."""
-        cuda = self.resources.cuda
-        names = {"gpu": "GPU", "cpu": "CPU RAM", "disk": "disk"} if cuda else \
-            {"gpu": "RAM", "cpu": "RAM", "disk": "disk"}
-
-        def where(by_dev) -> str:
-            merged: dict[str, int] = {}
-            for dev, n in by_dev.items():
-                if n:
-                    merged[names[dev]] = merged.get(names[dev], 0) + n
-            return " + ".join(f"{_size(n)} {name}" for name, n in merged.items()) or "nothing"
-
-        usage = ", ".join(f"{names[d]} {_size(self.needs[d])} of {_size(self.available[d])}"
-                          for d in (DEVICES if cuda else ("cpu", "disk")))
-        head = (f"placement{' auto:' if self.auto else ''} {self.placement.describe()}; "
-                f"{self.model} in {self.dtype}")
-        if not cuda:
-            head += " (no CUDA: FlexGen's GPU is this CPU's memory)"
-        return (f"{head}\nmemory plan: weights {where(self.weights)}, KV cache up to "
-                f"{where(self.cache)}; needed of usable: {usage} "
-                f"(offload dir {self.resources.offload_root})")
+        """The percentages and format, bytes per device against what is usable, and where
+        the weights come from (and, chosen by auto, why this format)."""
+        return plan_text.describe(self)
 
     def as_dict(self) -> dict:
         return {"placement": dataclasses.asdict(self.placement), "auto": self.auto,
-                "dtype": self.dtype, "weights_bytes": dict(self.weights),
-                "cache_bytes": dict(self.cache), "needs_bytes": dict(self.needs),
-                "available_bytes": dict(self.available)}
-
-
-def _size(n: int) -> str:
-    if n < GiB:
-        return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB"
-    return f"{n / GiB:.2f} GiB" if n < 10 * GiB else f"{n / GiB:.1f} GiB"
+                "dtype": self.dtype, "format": self.format.label,
+                "weights_bytes": dict(self.weights), "cache_bytes": dict(self.cache),
+                "needs_bytes": dict(self.needs), "available_bytes": dict(self.available),
+                "weights_source": self.weights_source, "weights_path": self.weights_path,
+                "weights_write_bytes": self.weights_write, "why": self.why}
 
 
 def _needs(fp: Footprint, res: Resources, weights: dict, staged: int, cache: dict,
-           gpu_reserve: int, cpu_reserve: int) -> dict:
+           gpu_reserve: int, cpu_reserve: int, in_files: bool = False, write: int = 0
+           ) -> dict:
     """Bytes each device must hold: with CUDA the GPU computes (activations, staged layers,
-    random weights drawn there); without it all of that is RAM."""
-    work = fp.act_bytes + (2 * staged if staged else 0) + fp.load_bytes  # 2: overlapped layers
+    random weights drawn there); without it all of that is RAM. Weights read from files
+    (`in_files`) take no new disk where they lie on it; `write`: bytes this start adds to
+    the weights cache."""
+    # 2: overlapped layers; weights read from files need no room to be made in.
+    work = fp.act_bytes + (2 * staged if staged else 0) + (0 if in_files else fp.load_bytes)
     need = {d: weights[d] + cache[d] for d in DEVICES}
+    if in_files:
+        need["disk"] -= weights["disk"]
+    need["disk"] += write
     if res.cuda:
         need["gpu"] += work + gpu_reserve
         need["cpu"] += CUDA_RELAY_BYTES + cpu_reserve
@@ -265,14 +281,15 @@ def _fits(need: dict, res: Resources) -> str | None:
 
 
 def _choose(fp: Footprint, res: Resources, heads: int, batch: int, gpu_reserve: int,
-            cpu_reserve: int) -> Placement | None:
+            cpu_reserve: int, in_files: bool, write: int) -> Placement | None:
     """The placement auto picks: weights fill the compute device, then (with CUDA) CPU
     memory, then disk; the KV cache goes whole to the fastest device with room left."""
     none = dict.fromkeys(DEVICES, 0)
 
     def need(w_gpu, w_cpu, cache):
         weights, staged = fp.weights_on(w_gpu, w_cpu)
-        return _needs(fp, res, weights, staged, cache, gpu_reserve, cpu_reserve)
+        return _needs(fp, res, weights, staged, cache, gpu_reserve, cpu_reserve, in_files,
+                      write)
 
     fast = "gpu" if res.cuda else "cpu"
     avail = {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}
@@ -292,56 +309,134 @@ def _choose(fp: Footprint, res: Resources, heads: int, batch: int, gpu_reserve: 
     return None
 
 
+def in_dtype(spec, dtype):
+    """`spec` computing in `dtype` (its config's dtype replaced)."""
+    if np.dtype(spec.config.dtype) == np.dtype(dtype):
+        return spec
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, dtype=dtype))
+
+
+def _weight_set(spec, fmt):
+    from . import weight_sets
+
+    return weight_sets.weight_set(spec, fmt)
+
+
+def _sources(spec, fmt: WeightFormat, cuda: bool) -> list[tuple[str, str | None, int]]:
+    """Where the weights may come from, preferred first: (kind, path, bytes to write). Made
+    once ("cache") where making them again costs more than reading them back: on a CPU,
+    and for 4-bit weights; on a GPU drawing is faster (unless some live on disk: _option)."""
+    ws = _weight_set(spec, fmt)
+    if ws is None:
+        return [("files", None, 0)]
+    made = ("cache", str(ws.path), 0 if ws.made() else ws.nbytes)
+    drawn = ("drawn", None, 0)
+    return [drawn, made] if cuda and not fmt.compress else [made, drawn]
+
+
+def _option(spec, cfg, res: Resources, fmt: WeightFormat, auto: bool):
+    """(a Plan of `fmt` on this machine, auto or as cfg says, or None; and the shortfall of
+    an explicit placement that cannot fit: (device, needs, available))."""
+    spec = in_dtype(spec, fmt.dtype)
+    fp = footprint(spec, cfg.gpu_batch_size, fmt.groups,
+                   cfg.cache_groups if cfg.compress_cache else None)
+    heads, batch = cache_heads(spec), cfg.gpu_batch_size
+    avail = {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}
+    found, short = [], None
+    for source, path, write in _sources(spec, fmt, res.cuda):
+        in_files = source != "drawn"
+        placement = _choose(fp, res, heads, batch, cfg.gpu_reserve_bytes,
+                            cfg.cpu_reserve_bytes, in_files, write) if auto \
+            else cfg.placement.check()
+        if placement is None:
+            continue
+        weights, staged = fp.weights_on(placement.w_gpu, placement.w_cpu)
+        cache = fp.cache_on(placement.cache_gpu, placement.cache_cpu, heads, batch)
+        need = _needs(fp, res, weights, staged, cache, cfg.gpu_reserve_bytes,
+                      cfg.cpu_reserve_bytes, in_files, write)
+        full = _fits(need, res)
+        if full is None:
+            found.append(Plan(placement, auto, spec.name, fmt, weights, cache, need, avail,
+                              res, source, path, write))
+        elif short is None:
+            short = (placement, full, need)
+    # Drawn at every start only while none of them lives on disk.
+    keep = [p for p in found if not (p.weights_source == "drawn" and p.weights["disk"]
+                                     and any(q.weights_source == "cache" for q in found))]
+    return (keep[0] if keep else None), short
+
+
+def formats_for(spec, cfg, cuda: bool, auto: bool) -> list[WeightFormat]:
+    """The formats this plan weighs: auto's for the device within what cfg pins (its dtype,
+    its compression); an explicit placement, or a spec whose format is chosen, one."""
+    pinned = getattr(spec, "weight_format", None)
+    if pinned is not None:
+        return [pinned]
+    compress = cfg.compress_weight if auto else bool(cfg.compress_weight)
+    dtype = cfg.dtype if cfg.dtype is not None or auto else spec.config.dtype
+    found = candidates(cuda, dtype, compress, cfg.weight_groups)
+    return found if auto else found[:1]
+
+
+def pick(options: list[Plan]) -> Plan:
+    """Auto's choice among the formats that fit, fastest first: the first with every weight
+    in memory, else the one that leaves the fewest bytes on disk; with why."""
+    whole = [p for p in options if not p.weights["disk"]]
+    chosen = whole[0] if whole else min(options, key=lambda p: p.weights["disk"])
+    return dataclasses.replace(chosen, why=plan_text.why(chosen, options))
+
+
+def _what_would_fit(spec, cfg, res: Resources, tried: list[WeightFormat], auto: bool
+                    ) -> list[str]:
+    """Every option that would fit where `tried` does not: --placement auto, another
+    format, a raised --max-ram-gb / --max-disk-gb."""
+    from .formats import others
+
+    fits = []
+    if not auto:
+        plan, _ = _option(spec, cfg, res, tried[0], True)
+        if plan is not None:
+            fits.append(plan_text.option_text("--placement auto", plan))
+    for fmt, note in others(res.cuda, cfg.weight_groups):
+        if fmt in tried:
+            continue
+        plan, _ = _option(spec, cfg, res, fmt, True)
+        if plan is not None:
+            fits.append(plan_text.option_text(fmt.flags(), plan, note))
+    if res.ram_cap is not None or res.disk_cap is not None:
+        for fmt in tried:
+            plan, _ = _option(spec, cfg, res.uncapped(), fmt, auto)
+            if plan is not None:
+                flags = [plan_text.cap_flag(name, plan.needs[dev])
+                         for name, dev, cap in (("max-ram-gb", "cpu", res.ram_cap),
+                                                ("max-disk-gb", "disk", res.disk_cap))
+                         if cap is not None and plan.needs[dev] > cap]
+                fits.append(plan_text.option_text(" ".join(flags), plan))
+                break
+    return fits
+
+
 def make_plan(spec, cfg, resources: Resources | None = None) -> Plan:
-    """The placement `cfg` asks for (auto or explicit) with its bytes per device; UserError
-    when this machine cannot hold it, before anything is allocated or written."""
+    """The placement and weight format `cfg` asks for (auto or explicit) with its bytes per
+    device; UserError when this machine cannot hold it, before anything is allocated or
+    written, naming every option that would fit."""
     from .paths import offload_dir as default_offload_dir
 
     root = Path(cfg.offload_dir).expanduser() if cfg.offload_dir else default_offload_dir()
-    res = resources if resources is not None else machine_resources(root)
-    fp = footprint(spec, cfg.gpu_batch_size, cfg.compress_weight)
-    heads, batch = cache_heads(spec), cfg.gpu_batch_size
-    gpu_reserve, cpu_reserve = cfg.gpu_reserve_bytes, cfg.cpu_reserve_bytes
+    res = resources if resources is not None else machine_resources(
+        root, cfg.max_ram_bytes, cfg.max_disk_bytes)
     auto = isinstance(cfg.placement, AutoPlacement)
-    placement = _choose(fp, res, heads, batch, gpu_reserve, cpu_reserve) if auto \
-        else cfg.placement.check()
-    if placement is None:
-        raise UserError(_no_fit(spec, fp, res))
-    weights, staged = fp.weights_on(placement.w_gpu, placement.w_cpu)
-    cache = fp.cache_on(placement.cache_gpu, placement.cache_cpu, heads, batch)
-    need = _needs(fp, res, weights, staged, cache, gpu_reserve, cpu_reserve)
-    avail = {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}
-    full = _fits(need, res)
-    if full is not None:
-        raise UserError(_too_much(spec, placement, full, need, avail, res))
-    return Plan(placement, auto, spec.name, fp.dtype, weights, cache, need, avail, res)
-
-
-def _too_much(spec, placement: Placement, dev: str, need: dict, avail: dict,
-              res: Resources) -> str:
-    name = {"gpu": "GPU memory", "disk": f"free disk under {res.offload_root}",
-            "cpu": "RAM" if res.cuda else "RAM (the compute device without CUDA)"}[dev]
-    return (f"placement {placement.describe()} needs {_size(need[dev])} of {name} for "
-            f"{spec.name}, {_size(avail[dev])} is usable; --placement auto chooses one that "
-            "fits")
-
-
-def _no_fit(spec, fp: Footprint, res: Resources) -> str:
-    total = fp.weight_bytes + fp.cache_bytes
-    room = res.ram + res.gpu + res.disk
-    msg = (f"{spec.name} does not fit this machine: its weights are {_size(fp.weight_bytes)} "
-           f"in {fp.dtype} and its KV cache up to {_size(fp.cache_bytes)}, {_size(total)} in "
-           f"all, against {_size(res.ram)} of usable RAM"
-           + (f", {_size(res.gpu)} of GPU memory" if res.cuda else "")
-           + f" and {_size(res.disk)} of free disk under {res.offload_root}")
-    hints = []
-    if fp.dtype == "float32":
-        half = total // 2
-        verdict = "would fit" if half + fp.act_bytes < room else "would not fit either"
-        slow = "; fp16 computes far slower on a CPU" if not res.cuda else ""
-        hints.append(f"--dtype fp16 ({_size(half)}: {verdict}{slow})")
-    hints.append("an --offload-dir on a disk with more free space")
-    if not res.cuda:
-        hints.append("a GPU")
-    hints.append("a smaller model")
-    return f"{msg}; try {', '.join(hints)}"
+    formats = formats_for(spec, cfg, res.cuda, auto)
+    tried = [_option(spec, cfg, res, f, auto) for f in formats]
+    options = [plan for plan, _ in tried if plan is not None]
+    if options:
+        return pick(options) if auto else options[0]
+    short = None
+    if not auto and tried[0][1] is not None:
+        placement, dev, need = tried[0][1]
+        short = plan_text.too_much(spec.name, placement, dev, need,
+                                   {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}, res)
+    footprints = [(f, footprint(in_dtype(spec, f.dtype), cfg.gpu_batch_size, f.groups))
+                  for f in formats]
+    raise UserError(plan_text.refusal(spec, res, footprints,
+                                      _what_would_fit(spec, cfg, res, formats, auto), short))

@@ -75,3 +75,28 @@ def step(what: str, after_s: float = 0.0) -> Iterator[None]:
         if announced:
             took = time.perf_counter() - t0
             _say(f"{what}: {'done in' if ok else outcome} {took:.1f} s")
+
+
+def enabled() -> bool:
+    return os.environ.get("IMPRESS_FLEXGEN_PROGRESS", "1") != "0"
+
+
+def say(text: str) -> None:
+    """One line on stderr (silenced as the steps are)."""
+    _say(text)
+
+
+def bar(total: float, what: str, unit: str = "B"):
+    """A tqdm progress bar on stderr with rate and time left (bytes by default); a no-op
+    bar when progress is silenced. Use as a context manager; `.update(n)` as work is done."""
+    from tqdm import tqdm
+
+    scale = unit == "B"
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    # A log file gets a line every 10 s rather than a redraw twice a second.
+    return tqdm(total=total, desc=PREFIX + what, unit=unit, unit_scale=scale,
+                unit_divisor=1024 if scale else 1000, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5 if tty else 10, disable=not enabled(), leave=True)

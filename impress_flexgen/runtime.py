@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import compat, cpu_threads, progress, scratch, weights
+from . import compat, cpu_threads, progress, scratch, weight_sets, weights
 from .errors import UserError
 from .models import ModelSpec, resolve
 from .paths import offload_dir as default_offload_dir
 from .placement import AUTO, AutoPlacement, Placement, Plan, make_plan  # noqa: F401 - re-exported
+from .quant import Groups
 
 # A start-up step (weights, tokenizer) that may be a quick cache hit is announced on stderr
 # once it has taken this long.
@@ -34,7 +35,13 @@ class RuntimeConfig:
     dtype: object = None          # np.float16 / np.float32; None: the model's default
     overlap: bool = True          # overlap I/O and compute (FlexGen's pipelined loop)
     sep_layer: bool = True
-    compress_weight: bool = False
+    # FlexGen's group-wise 4-bit weights (dequantised per layer on the compute device just
+    # before use) and KV cache (FlexGen's cache, and the serving engine's decode context).
+    # compress_weight None: --placement auto decides (4-bit when the dtype does not fit).
+    compress_weight: bool | None = False
+    compress_cache: bool = False
+    weight_groups: Groups = Groups(64, 0)   # FlexGen's defaults: along a weight's rows,
+    cache_groups: Groups = Groups(64, 2)    # along a KV head's channels
     gpu_batch_size: int = 1
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
@@ -42,6 +49,10 @@ class RuntimeConfig:
     # placement plan leaves it free.
     gpu_reserve_bytes: int = 0
     cpu_reserve_bytes: int = 0
+    # The most RAM and disk this run may use (--max-ram-gb, --max-disk-gb); None: what is
+    # free less a few GiB (placement.machine_resources).
+    max_ram_bytes: int | None = None
+    max_disk_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -91,30 +102,66 @@ def make_policy(cfg: RuntimeConfig):
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
         overlap=cfg.overlap, sep_layer=cfg.sep_layer,
         pin_weight=torch.cuda.is_available(), cpu_cache_compute=False, attn_sparsity=cfg.attn_sparsity,
-        compress_weight=cfg.compress_weight,
-        comp_weight_config=CompressionConfig(num_bits=4, group_size=64, group_dim=0,
-                                             symmetric=False),
-        compress_cache=False,
-        comp_cache_config=CompressionConfig(num_bits=4, group_size=64, group_dim=2,
-                                            symmetric=False),
+        compress_weight=bool(cfg.compress_weight),
+        comp_weight_config=CompressionConfig(num_bits=4, group_size=cfg.weight_groups.size,
+                                             group_dim=cfg.weight_groups.dim, symmetric=False),
+        compress_cache=cfg.compress_cache,
+        comp_cache_config=CompressionConfig(num_bits=4, group_size=cfg.cache_groups.size,
+                                            group_dim=cfg.cache_groups.dim, symmetric=False),
     )
 
 
-def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
-    """The model `cfg` asks for (config, weights, tokenizer source), nothing built yet; with
-    `check_placement`, a placement this machine cannot hold is refused here (UserError)."""
+def _resolve(cfg: RuntimeConfig, dtype) -> ModelSpec:
     # A first start converts the weights (tens of seconds): said on stderr if it is slow.
     with progress.step(f"preparing the weights of {cfg.model_path or cfg.model} (converted "
                        "once, then cached)", after_s=ANNOUNCE_AFTER_S), cpu_threads.loading():
-        spec = resolve(cfg.model, cfg.model_path, cfg.seed, cfg.dtype)
+        spec = resolve(cfg.model, cfg.model_path, cfg.seed, dtype)
     if cfg.max_seq_len is not None and cfg.max_seq_len != spec.config.max_seq_len:
         if not spec.random_weights:
             raise UserError("max_seq_len can only be changed for random-weight models")
         spec = dataclasses.replace(spec, config=dataclasses.replace(
             spec.config, max_seq_len=cfg.max_seq_len))
-    if check_placement:
-        make_plan(spec, cfg)
     return spec
+
+
+def in_format(cfg: RuntimeConfig, spec: ModelSpec, fmt) -> ModelSpec:
+    """`spec` holding its weights in `fmt` (resolved again when it computes in another
+    dtype: a conversion's files depend on it)."""
+    if np.dtype(fmt.dtype) != np.dtype(spec.config.dtype):
+        spec = _resolve(cfg, fmt.dtype)
+    return dataclasses.replace(spec, weight_format=fmt)
+
+
+def resolve_spec(cfg: RuntimeConfig, check_placement: bool = True) -> ModelSpec:
+    """The model `cfg` asks for (config, weights, tokenizer source, and the format its
+    weights are held in), nothing built or written yet; with `check_placement`, a placement
+    this machine cannot hold is refused here (UserError)."""
+    spec = _resolve(cfg, cfg.dtype)
+    try:
+        plan = make_plan(spec, cfg)
+    except UserError:
+        if check_placement:
+            raise
+        # Planned again (and refused) by whoever builds it: the format auto weighs first.
+        from .formats import candidates
+
+        compress = cfg.compress_weight if isinstance(cfg.placement, AutoPlacement) \
+            else bool(cfg.compress_weight)
+        fmt = candidates(torch.cuda.is_available(), cfg.dtype or spec.config.dtype,
+                         compress, cfg.weight_groups)[0]
+        return in_format(cfg, spec, fmt)
+    return in_format(cfg, spec, plan.format)
+def dry_run(cfg: RuntimeConfig, spec: ModelSpec) -> str:
+    """The plan a start with `cfg` would follow, with the bytes it writes and how long
+    making and loading its weights would take; nothing allocated or written."""
+    plan = make_plan(spec, cfg)
+    seconds, basis = weight_sets.first_start_s(plan, spec)
+    took = "unknown" if seconds is None else f"about {weight_sets.duration(seconds)}"
+    writes = f"{plan.weights_write / 2**30:.2f} GiB of weights to the weights cache" \
+        if plan.weights_write else "no weights"
+    return (f"{plan.describe()}\nfirst start: writes {writes}; making and loading the "
+            f"weights {took} ({basis}); serving not counted\ndry run: nothing was "
+            "allocated or written")
 
 
 def load_tokenizer(spec: ModelSpec):
@@ -149,24 +196,36 @@ class Runtime:
         already, are used instead of resolving and loading them again."""
         compat.apply()
         weights.install()
-        self.spec: ModelSpec = spec if spec is not None else resolve_spec(cfg, False)
+        spec = spec if spec is not None else resolve_spec(cfg, False)
         # Planned (and refused if it cannot fit) before anything is allocated or written.
-        self.plan: Plan = make_plan(self.spec, cfg)
-        if self.plan.auto:
+        self.plan: Plan = make_plan(spec, cfg)
+        if self.plan.auto or self.plan.weights_write:
             print(self.plan.describe(), flush=True)
-        self.cfg = dataclasses.replace(cfg, placement=self.plan.placement)
+        fmt = self.plan.format
+        self.spec: ModelSpec = in_format(cfg, spec, fmt)
+        self.cfg = dataclasses.replace(cfg, placement=self.plan.placement, dtype=fmt.dtype,
+                                       compress_weight=fmt.compress,
+                                       weight_groups=fmt.groups or cfg.weight_groups)
         self.policy = make_policy(self.cfg)
-        self.env = make_env(Path(cfg.offload_dir).expanduser() if cfg.offload_dir
-                            else default_offload_dir())
         self._tokenizer = tokenizer
         # One request at a time through the model's buffers, whichever engine serves it.
         self.compute_lock = cpu_threads.ComputeLock()
+        if self.plan.weights_source == "cache":
+            # Written once under their digest (a progress bar; the first line says how
+            # long and how much), read back at every later start.
+            with cpu_threads.loading():
+                self.spec = weight_sets.ensure(self.spec, fmt)
+        self.env = make_env(Path(cfg.offload_dir).expanduser() if cfg.offload_dir
+                            else default_offload_dir())
         try:
             t0 = time.perf_counter()
             # The thread that computes should be the only one owning a CPU team (cpu_threads).
-            with cpu_threads.loading():
+            loaded = sum(self.plan.weights.values())
+            with cpu_threads.loading(), weights.loading(loaded):
                 self.model = self._build()
             self.load_s = time.perf_counter() - t0
+            if loaded >= 1 << 30 and self.plan.weights_source != "drawn":
+                weight_sets.record_rate("load_bytes_per_s", loaded / self.load_s)
         except BaseException:
             self.close()
             raise

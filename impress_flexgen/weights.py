@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,6 +28,8 @@ from .errors import UserError
 log = logging.getLogger("impress_flexgen.weights")
 
 RANDOM_MARKER = "<random-weights"
+# A 4-bit matrix of a weight set (weight_sets.py): its packed bytes and its fp16 scales.
+PACKED, SCALES = ".q4", ".q4s"
 _RANDOM_RE = re.compile(r"<random-weights seed=(\d+) std=([0-9.eE+-]+)>/?(.*)$")
 
 
@@ -71,7 +74,10 @@ def parse_random_path(filename: str):
 
 
 def init_weight_list(weight_specs, policy, env):
-    """Drop-in for flexgen.flex_opt.init_weight_list: same placement, real or seeded weights."""
+    """Drop-in for flexgen.flex_opt.init_weight_list: same placement, real or seeded weights.
+    Files of a weight set (weight_sets.py) are read as they are: 4-bit matrices from their
+    packed bytes and scales, and what lives on disk is used where it lies (never copied
+    into the offload directory, never deleted with the model)."""
     from flexgen.flex_opt import get_choice
     from flexgen.pytorch_backend import DeviceType
     from flexgen.utils import np_dtype_to_torch_dtype
@@ -82,28 +88,27 @@ def init_weight_list(weight_specs, policy, env):
     sizes_cumsum = np.cumsum(sizes)
     ret = []
     for (shape, dtype, filename), size, cum in zip(weight_specs, sizes, sizes_cumsum):
-        # FlexGen places each tensor by where its middle falls in the layer's byte range.
+        # FlexGen places each tensor by where its middle falls in the layer's elements.
         mid_percent = (cum - size / 2) / sizes_cumsum[-1]
         home = get_choice(mid_percent * 100, dev_percents, dev_choices)
         small = len(shape) < 2
         compress = policy.compress_weight and not small
         pin = True if small else policy.pin_weight
+        random = parse_random_path(filename)
+        on_disk = home.device_type == DeviceType.DISK
+        if random is None and on_disk:
+            weight = _in_place(shape, dtype, filename, home, compress, policy)
+            if weight is not None:
+                ret.append(weight)
+                continue
         if compress:
             weight = home.compressed_device.allocate(shape, dtype, policy.comp_weight_config,
                                                      pin_memory=pin)
         else:
             weight = home.allocate(shape, dtype, pin_memory=pin)
 
-        random = parse_random_path(filename)
         if random is None:
-            if not os.path.exists(filename):
-                raise UserError(f"weight file missing: {filename}")
-            if home.device_type == DeviceType.DISK and \
-                    np.load(filename, mmap_mode="r").dtype != np.dtype(dtype):
-                # FlexGen would copy the file as it is: cast it (fp16 files, fp32 compute).
-                weight.load_from_np(np.load(filename).astype(dtype))
-            else:
-                weight.load_from_np_file(filename)
+            _read(weight, filename, dtype, compress, on_disk)
         else:
             direct = not compress and home.device_type in (DeviceType.CPU, DeviceType.CUDA)
             values = random_tensor(random[2], shape, random[0], random[1],
@@ -114,8 +119,93 @@ def init_weight_list(weight_specs, policy, env):
                     weight.data.copy_(values)
             else:  # disk or compressed: through numpy, as FlexGen loads files
                 weight.load_from_np(values.cpu().numpy())
+        _loaded(weight)
         ret.append(weight)
     return ret
+
+
+_bar = None   # the progress bar of the weights being loaded (loading() sets it)
+
+
+def _loaded(weight) -> None:
+    if _bar is not None:
+        _bar.update(_held_bytes(weight))
+
+
+def _held_bytes(weight) -> int:
+    from flexgen.pytorch_backend import DeviceType
+
+    if weight.device.device_type == DeviceType.COMPRESSED:
+        return sum(_held_bytes(part) for part in weight.data[:2])
+    return int(np.prod(weight.shape)) * weight.data.element_size() \
+        if isinstance(weight.data, torch.Tensor) else int(weight.bytes)
+
+
+class loading:
+    """`with loading(total_bytes):` a progress bar over the weights init_weight_list
+    places (rate and time left)."""
+
+    def __init__(self, total: int):
+        from . import progress
+
+        self.bar = progress.bar(total, "loading weights")
+
+    def __enter__(self):
+        global _bar
+        _bar = self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        global _bar
+        _bar = None
+        return self.bar.__exit__(*exc)
+
+
+def _in_place(shape, dtype, filename, disk, compress: bool, policy):
+    """A disk-homed weight read from `filename` (and its packed parts) where it lies, or
+    None when the file is not in the form the tensor needs (then it is copied, as FlexGen
+    does)."""
+    from flexgen.pytorch_backend import TorchTensor
+    from flexgen.utils import np_dtype_to_torch_dtype
+
+    def file_tensor(path, want_dtype):
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError):
+            return None
+        if array.dtype != np.dtype(want_dtype):
+            return None
+        t = TorchTensor(tuple(array.shape), np_dtype_to_torch_dtype[np.dtype(want_dtype).type],
+                        str(path), disk)
+        t.delete_file = False     # the weights cache's, not the model's
+        return t
+
+    if compress:
+        data = file_tensor(filename + PACKED, np.uint8)
+        scale = file_tensor(filename + SCALES, np.float16)
+        if data is None or scale is None:
+            return None
+        return TorchTensor(tuple(shape), np_dtype_to_torch_dtype[dtype],
+                           (data, scale, policy.comp_weight_config), disk.compressed_device)
+    return file_tensor(filename, dtype)
+
+
+def _read(weight, filename: str, dtype, compress: bool, on_disk: bool) -> None:
+    """Fill an allocated weight from its file(s): packed 4-bit parts when they are there."""
+    with warnings.catch_warnings():
+        # A read-only memory map read into a tensor: torch warns it could not write to it.
+        warnings.simplefilter("ignore", UserWarning)
+        if compress and os.path.exists(filename + PACKED):
+            for part, suffix in zip(weight.data[:2], (PACKED, SCALES)):
+                part.load_from_np(np.load(filename + suffix, mmap_mode="r"))
+            return
+        if not os.path.exists(filename):
+            raise UserError(f"weight file missing: {filename}")
+        if on_disk and np.load(filename, mmap_mode="r").dtype != np.dtype(dtype):
+            # FlexGen would copy the file as it is: cast it (fp16 files, fp32 compute).
+            weight.load_from_np(np.load(filename).astype(dtype))
+        else:
+            weight.load_from_np(np.load(filename, mmap_mode="r"))
 
 
 def install() -> None:

@@ -155,6 +155,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     gpu = store.tiers.cache.metrics[GPU] if store is not None else {"hits": 0, "misses": 0}
     parts = store.inspect() if store is not None else None
     planned = [r for r in rows if r.matched_tokens]
+    decoded = [r.decode_s_per_token for r in rows if r.decode_s_per_token > 0]
     accesses = gpu["hits"] + gpu["misses"]
     return {
         "policy": policy.name,
@@ -167,6 +168,8 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
                              for k in ("match_s", "weights_s", "probe_s", "select_s", "load_s",
                                        "compute_s")},
         "io_time_s": float(np.mean([r.io_s for r in rows])),
+        # Time per generated token after the first (requests that decoded at all).
+        "decode_s_per_token": float(np.mean(decoded)) if decoded else None,
         "store_s": float(np.mean([r.store_s for r in rows])),
         "prefix_bytes_total": int(prefix_bytes),
         "bytes_read": loaded,

@@ -18,6 +18,7 @@ os.environ["IMPRESS_FLEXGEN_PROGRESS"] = "0"
 # on the 2-core machine); whole modules where a module fixture carries the cost.
 SLOW_MODULES = {"tests/test_accuracy.py", "tests/test_crash_test.py", "tests/test_verify.py"}
 SLOW_TESTS = {
+    "tests/test_experiments.py::test_compression_fidelity_compares_every_format_with_fp32",
     "tests/test_batching.py::test_batched_equals_alone_at_full_retention",
     "tests/test_bench_io.py::test_bench_io_quick",
     "tests/test_bench_remote.py::test_bench_remote_tiny",
@@ -29,6 +30,8 @@ SLOW_TESTS = {
     "tests/test_cli.py::test_verify_bad_input_is_one_line_exit_2",
     "tests/test_cli_refusals.py::test_sigterm_exits_through_the_cleanup",
     "tests/test_compat.py::test_disk_threads_never_hang_exit",
+    "tests/test_compression.py::test_4bit_weights_in_flexgens_loop_at_every_placement",
+    "tests/test_compression.py::test_4bit_kv_cache_in_flexgens_loop",
     "tests/test_compat.py::test_raw_flexgen_disk_threads_would_hang_exit",
     "tests/test_compat.py::test_unpatched_flexgen_fails_on_cpu_as_documented",
     "tests/test_concurrency.py::test_store_serves_exact_kv_under_concurrent_requests",

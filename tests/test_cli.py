@@ -99,8 +99,10 @@ def test_main_job_serves_compares_and_reuses_its_store(tmp_path, capsys):
     assert labels == ["full", "as_like", "impress"]
     for r in first["results"]:
         assert r["queries"] == 4 and r["ttft_mean_s"] > 0 and r["prefix_bytes_total"] > 0
+        assert r["decode_s_per_token"] > 0      # 2 tokens: one decode step each
     assert first["results"][1]["kl"] is not None
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "decode, per token after the first: full " in printed and "tokens/s" in printed
     assert run.main(argv) == 0
     assert "reusing the store left by an earlier run" in capsys.readouterr().out
 

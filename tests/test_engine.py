@@ -177,7 +177,7 @@ def test_reuse_after_reopen_in_a_new_process(tmp_path):
             cfg = ServingConfig(retention=0.5, threshold="none")
             policy = make_policy("impress", cfg)
             store = open_store({str(tmp_path / 's')!r}, rt, cfg, policy, chunk_size=16)
-            r = Engine(rt, store, policy).serve(Request(ids[:100], ids[100:], 4))
+            r = assemble(rt, policy, store).engine.serve(Request(ids[:100], ids[100:], 4))
             store.close()
         print(json.dumps({{"tokens": r.tokens, "matched": r.stats.matched_tokens}}))
     """)

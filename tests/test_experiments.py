@@ -42,3 +42,20 @@ def test_bench_compute_thread_runs_both_settings(tmp_path):
     assert set(got["runs"]) == {"one_team", "second_team"}
     assert all(len(v) == 1 and v[0]["batch_tokens_per_s"] > 0 for v in got["runs"].values())
     assert got["one_team_over_second_team"]["alone_tokens_per_s"] > 0
+
+
+def test_compression_fidelity_compares_every_format_with_fp32(tmp_path):
+    """Four configurations side by side on one model: fp32 matches itself exactly, and
+    4-bit weights hold fewer bytes and drift from it."""
+    from experiments import compression_fidelity
+
+    out = tmp_path / "cf.json"
+    assert compression_fidelity.main(["--model", "llama-tiny", "--passages", "1",
+                                      "--prompt-tokens", "16", "--forced-tokens", "4",
+                                      "--json", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fp32", "int4 weights", "int4 kv", "int4 weights + kv"]
+    assert rows["fp32"]["kl_vs_fp32"] == 0 and rows["fp32"]["top1_vs_fp32"] == 1
+    assert rows["int4 weights"]["weights_bytes"] < rows["fp32"]["weights_bytes"] / 4
+    assert rows["int4 weights"]["kl_vs_fp32"] > 0 and rows["int4 kv"]["kl_vs_fp32"] > 0
+    assert all(r["decode_s_per_token"] > 0 for r in rows.values())

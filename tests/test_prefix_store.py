@@ -126,7 +126,7 @@ def test_store_survives_restart_in_a_new_process(tmp_path):
         from impress_flexgen.store import PrefixStore
         tokens = np.arange({5 * C})
         with PrefixStore({str(tmp_path / 's')!r}, SHAPE, config()) as store:
-            assert store.reopened
+            assert store.inspect().reopened
             length, got = stored_kv(store, tokens)
         kv = make_kv(len(tokens), seed=5)
         ok = length == len(tokens) and all(torch.equal(bits(k), bits(k2)) and

@@ -81,3 +81,23 @@ def test_a_step_given_up_on_purpose_says_stopped(capsys):
                 raise raised
         assert capsys.readouterr().err.splitlines()[-1].startswith(
             f"impress_flexgen: calibrating: {said} ")
+
+
+def test_a_bar_redraws_often_on_a_terminal_and_seldom_in_a_log(monkeypatch):
+    class Terminal:
+        def __init__(self, tty):
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            pass
+
+    for tty, every in ((True, 0.5), (False, 10)):
+        monkeypatch.setattr("sys.stderr", Terminal(tty))
+        with progress.bar(100, "making weights") as b:
+            assert b.mininterval == every

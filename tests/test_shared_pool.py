@@ -37,11 +37,12 @@ ROLE = textwrap.dedent("""
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url))
+    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url)).engine
     resp = engine.serve(Request(prefix, query, 4))
     engine.shared.tier.flush(10)
     match = store.match_prefix(prefix)
-    kv = [[torch.cat([store.read_layer(n.layers[layer], n)[i][:, :u] for n, u in match.segments], 1)
+    reads = store.inspect().reads
+    kv = [[torch.cat([reads.read_layer(n.layers[layer], n)[i][:, :u] for n, u in match.segments], 1)
            for i in (0, 1)] for layer in range(len(match.nodes[0].layers))]
     store.release(match)
     torch.save({"tokens": resp.tokens, "stats": resp.stats.as_dict(), "kv": kv}, out)

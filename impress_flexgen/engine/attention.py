@@ -43,6 +43,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .sequence import LayerKV
+
 
 def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: int,
            device) -> torch.Tensor:
@@ -241,9 +243,11 @@ class SideBySide:
 
     def hold(self, seqs: list, n_head: int) -> bool:
         """Lay out `seqs` side by side (if not already); False when they cannot be: one
-        sequence alone, or one whose decode-phase policy attends its own pages."""
+        sequence alone, one whose decode-phase policy attends its own pages, or one whose
+        context is compressed (sequence.CompressedKV)."""
         if len(seqs) < 2 or any(s.pages is not None or s.kv is None or
-                                any(kv is None for kv in s.kv) for s in seqs):
+                                any(kv is None or not isinstance(kv, LayerKV) for kv in s.kv)
+                                for s in seqs):
             self.seqs, self.layers = [], []
             return False
         if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):

@@ -84,7 +84,10 @@ def model_shape(spec, chunk_size: int = CHUNK_SIZE, kv_format: str | None = None
     m = FamilyMath(spec)
     compute = np.dtype(spec.config.dtype)
     kv_format = kv_format or kv_format_of(compute)
-    digest = getattr(spec, "weights_digest", "")
+    # 4-bit weights are other weights than those they were made from: their identity.
+    digest = getattr(spec, "identity", None)
+    if digest is None:
+        digest = getattr(spec, "weights_digest", "")
     fingerprint = model_fingerprint(digest, compute.name, chunk_size, kv_format) \
         if digest else ""
     return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint, kv_format,

@@ -38,7 +38,7 @@ from .attention import SideBySide, attend, attend_context, plan_rows
 from .family import FamilyMath
 from .lane import Lane
 from .prefix_kv import PrefixKV
-from .sequence import LayerKV, PiecesKV
+from .sequence import PiecesKV, decode_context
 
 
 @dataclasses.dataclass
@@ -75,6 +75,7 @@ class Runner:
     def __init__(self, runtime: Runtime, math: FamilyMath, prefix: PrefixKV, device, dtype,
                  kv_bytes_per_token_layer: int):
         self.model = runtime.model
+        self.flex_policy = runtime.policy   # FlexGen's: compress_cache decides the context
         self.compute = self.model.layers[0].compute
         self.math = math
         self.prefix = prefix
@@ -339,7 +340,7 @@ class Runner:
         seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
         extra = seq.request.max_new_tokens - 1
         seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                  LayerKV(*kept[layer], extra, self.group)
+                  decode_context(*kept[layer], extra, self.group, self.flex_policy)
                   for layer in range(self.math.n_layers)]
         seq.decode_s = time.perf_counter() - t0
 

@@ -289,7 +289,10 @@ def check_serving_args(p: argparse.ArgumentParser, args, policies: list[str]) ->
             p.error(f"unknown policy '{name}'; choose from {', '.join(POLICY_NAMES)}")
 
 
-def add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
+def add_model_args(p: argparse.ArgumentParser, default_model: str | None,
+                   compression: bool = True) -> None:
+    """--model and its kin; `compression` False leaves out FlexGen's 4-bit flags (for a
+    program that compares with an uncompressed reference)."""
     from ..models import MODEL_NAMES
 
     p.add_argument("--model", default=default_model, required=default_model is None,
@@ -306,6 +309,61 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> Non
     p.add_argument("--offload-dir", metavar="DIR",
                    help="where FlexGen keeps disk-placed weights and cache "
                         "(default: the user cache directory)")
+    c = p.add_argument_group("weights and memory")
+    if compression:
+        _add_compression_args(c)
+    c.add_argument("--max-ram-gb", type=finite_float(0, low_open=True), default=None,
+                   metavar="GB",
+                   help="RAM the model may use (weights, cache, working memory, tiers); "
+                        "default: what is available less 10%% of RAM (at least 4 GiB)")
+    c.add_argument("--max-disk-gb", type=finite_float(0, low_open=True), default=None,
+                   metavar="GB",
+                   help="disk the model may use (the weights cache it writes, offloaded "
+                        "weights and cache); default: what is free less 5%% of the file "
+                        "system (at least 4 GiB)")
+
+
+def _add_compression_args(c) -> None:
+    c.add_argument("--compress-weight", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold weights in FlexGen's group-wise 4-bit format, dequantised per "
+                        "layer on the compute device just before use (capacity, not speed); "
+                        "default: --placement auto decides (4-bit when the dtype does not "
+                        "fit), an explicit placement keeps the dtype")
+    c.add_argument("--compress-cache", action="store_true",
+                   help="hold the KV cache in FlexGen's group-wise 4-bit format: FlexGen's "
+                        "cache (--prompt) and the serving engine's decode context")
+    c.add_argument("--weight-groups", type=groups_arg(2, "--weight-groups"), default="64,0",
+                   metavar="SIZE[,AXIS]",
+                   help="4-bit weight groups: SIZE values along AXIS of a (out, in) matrix "
+                        "share a minimum and a scale (FlexGen's 64,0)")
+    c.add_argument("--cache-groups", type=groups_arg(3, "--cache-groups"), default="64,2",
+                   metavar="SIZE[,AXIS]",
+                   help="4-bit KV groups, AXIS of FlexGen's (seq, batch*heads, head_dim) "
+                        "layout: 2 along a head's channels (FlexGen's 64,2), 0 along the "
+                        "sequence")
+
+
+def groups_arg(ndim: int, flag: str):
+    """--weight-groups / --cache-groups: SIZE or SIZE,AXIS as quant.Groups."""
+    def parse(text: str):
+        from ..quant import Groups
+
+        parts = text.split(",")
+        try:
+            size = int(parts[0])
+            dim = int(parts[1]) if len(parts) > 1 else (0 if ndim == 2 else 2)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be SIZE or SIZE,AXIS (got {text!r})") \
+                from None
+        if len(parts) > 2:
+            raise argparse.ArgumentTypeError(f"must be SIZE or SIZE,AXIS (got {text!r})")
+        try:
+            return Groups(size, dim).check(ndim, flag)
+        except UserError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
+
+    parse.__name__ = "groups"
+    return parse
 
 
 def dtype_arg(name: str | None):

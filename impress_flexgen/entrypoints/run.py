@@ -77,6 +77,11 @@ def parse_args(argv):
                      help="with --output: keep the results already in OUT.jsonl and serve "
                           "only the requests whose id is not there yet")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (placement, weight format, bytes per device, what "
+                        "the first start writes and how long making and loading the weights "
+                        "takes) and exit without allocating or writing anything (a "
+                        "checkpoint not yet converted is converted first)")
     args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefix_tokens, args.queries = 2, 512, 2
@@ -130,6 +135,11 @@ def main(argv=None) -> int:
     cfg = config.runtime_config()
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
+    if args.dry_run:
+        from ..runtime import dry_run
+
+        print(dry_run(cfg, spec))
+        return 0
     tokenizer = requests = results = None
     if args.prompt or args.requests:
         from ..runtime import load_tokenizer

@@ -12,6 +12,7 @@ import sys
 
 from ..runtime import (AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan,
                        resolve_spec)
+from ..config import runtime_memory_fields
 from ..texts import PROMPTS
 from .args import (PLACEMENT_HELP, ArgumentParser, add_model_args, dtype_arg, int_range,
                    placement_arg, write_json)
@@ -20,7 +21,7 @@ from .process import run_main
 
 def parse_args(argv):
     p = ArgumentParser(prog="python -m impress_flexgen.verify", description=__doc__.split("\n\n")[0])
-    add_model_args(p, default_model=None)
+    add_model_args(p, default_model=None, compression=False)
     p.add_argument("--placement", type=placement_arg, action="append",
                    help=PLACEMENT_HELP + "; repeatable (default: auto, then disk)")
     p.add_argument("--prompts", type=int_range(1, len(PROMPTS)), default=len(PROMPTS),
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     placements = args.placement or [AUTO, Placement.parse("disk")]
     base = RuntimeConfig(model=args.model, model_path=args.model_path, seed=args.seed,
-                         dtype=dtype_arg(args.dtype), offload_dir=args.offload_dir)
+                         dtype=dtype_arg(args.dtype), offload_dir=args.offload_dir,
+                         **runtime_memory_fields(args))
 
     # Lengths are checked before any model is built.
     from ..tokenizer import load_tokenizer

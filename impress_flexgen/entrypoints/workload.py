@@ -23,6 +23,7 @@ def serve_workload(rt, args, root: Path) -> int:
     and a sample, write --json."""
     from tqdm import tqdm
 
+    from .. import progress
     from ..config import GB, ServiceConfig
     from ..engine import model_shape
     from ..serving import kv_bytes_per_token, run_workload
@@ -54,9 +55,9 @@ def serve_workload(rt, args, root: Path) -> int:
     print(config.plan_line())
     reference = {} if args.check else None
     results, sample = [], {}
-    # disable=None: no progress bar when stderr is not a terminal (logs, pipes).
-    with tqdm(total=len(names) * len(wl.queries), desc="requests", unit="req",
-              disable=None) as bar:
+    # Requests served, with their rate and the time left (a large model takes minutes
+    # per request); IMPRESS_FLEXGEN_PROGRESS=0 silences it.
+    with progress.bar(len(names) * len(wl.queries), "requests", unit="req") as bar:
         for name in names:
             config = configs[name]
             store_dir = root / _store_name(name, config.run, kv_format)
@@ -125,3 +126,7 @@ def print_summary(results, check: bool) -> None:
     print("(seconds per request; TTFT parts: radix match, probe-key load, selection, KV load "
           f"through the tiers, compute; {plans}: how the queries with a stored prefix were "
           "served)")
+    rates = [f"{r['label']} {r['decode_s_per_token']:.3f} s ({1 / r['decode_s_per_token']:.2f} "
+             "tokens/s)" for r in results if r.get("decode_s_per_token")]
+    if rates:
+        print(f"decode, per token after the first: {'; '.join(rates)}")

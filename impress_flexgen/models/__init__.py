@@ -36,10 +36,20 @@ class ModelSpec:
     # weights the family, shape and seed. Stored KV is keyed by it (with the dtypes and the
     # chunk size: engine.model_shape), never by the name.
     weights_digest: str = ""
+    # How the weights are held (formats.WeightFormat), once a plan chose it; None: in the
+    # config's dtype. 4-bit weights are other weights: `identity` tells them apart.
+    weight_format: object = None
 
     @property
     def random_weights(self) -> bool:
         return self.seed is not None
+
+    @property
+    def identity(self) -> str:
+        """The digest stored KV is keyed by: the weights', and their format's if 4-bit."""
+        if self.weight_format is None:
+            return self.weights_digest
+        return self.weight_format.digest(self.weights_digest)
 
 
 def random_weights_digest(family: str, config, seed: int, std: float = 0.02) -> str:

@@ -5,10 +5,13 @@ import torch
 import torch.nn.functional as F
 from flexgen.pytorch_backend import DeviceType, TorchTensor
 
+from ..errors import UserError
+
 
 def dense(weight):
-    """A weight as a plain tensor holder, decompressing FlexGen's group-quantized weights."""
-    if weight.device.device_type == DeviceType.COMPRESSED:
+    """A weight as a plain tensor holder, decompressing FlexGen's group-quantized weights
+    (on the device that holds them: the compute device, once load_weight brought them)."""
+    if isinstance(weight, TorchTensor) and weight.device.device_type == DeviceType.COMPRESSED:
         return weight.device.decompress(weight)
     return weight
 
@@ -100,8 +103,9 @@ class FlexGenModel:
 
 def allocate_cache(layer, heads: int, head_dim: int, dtype):
     """A layer's K and V cache for FlexGen's current task, in FlexGen's layout (seq, batch *
-    heads, head_dim) and in `dtype`, on the device its Policy names. A split placement cuts
-    along (batch * heads) in whole multiples of `heads`, as FlexGen's mixed device does."""
+    heads, head_dim) and in `dtype` (4-bit groups of it with compress_cache), on the device
+    its Policy names. A split placement cuts along (batch * heads) in whole multiples of
+    `heads`, as FlexGen's mixed device does."""
     policy, task, env = layer.policy, layer.task, layer.env
     shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * heads, head_dim)
     if policy.cache_gpu_percent == 100:
@@ -117,7 +121,36 @@ def allocate_cache(layer, heads: int, head_dim: int, dtype):
                int(n * policy.cache_cpu_percent / 100) // heads * heads)
         lens = [gpu, cpu, n - gpu - cpu]
         return tuple(env.mixed.allocate(shape, dtype, seg_lengths=lens) for _ in range(2))
+    if policy.compress_cache:
+        return tuple(device.compressed_device.allocate(shape, dtype, policy.comp_cache_config)
+                     for _ in range(2))
     return tuple(device.allocate(shape, dtype) for _ in range(2))
+
+
+def check_compressed_cache(policy) -> None:
+    """A compressed cache lives wholly on one device (FlexGen's rule)."""
+    whole = (policy.cache_gpu_percent == 100 or policy.cache_cpu_percent == 100
+             or policy.cache_gpu_percent + policy.cache_cpu_percent == 0)
+    if policy.compress_cache and not whole:
+        raise UserError("a compressed KV cache lives wholly on one device (FlexGen's rule): "
+                        "give it 100% of the GPU, the CPU or the disk")
+
+
+def compressed_step(compute, cache: TorchTensor, rows: int) -> torch.Tensor:
+    """A decode step's context from a compressed cache: its first `rows` positions (the
+    last one free for the new token), decompressed on the compute device."""
+    return cache.device.decompress(cache)[:rows]
+
+
+def compressed_new(compute, context: torch.Tensor, new: torch.Tensor, config) -> TorchTensor:
+    """What a decode step stores into a compressed cache: the new positions `new`, or,
+    grouped along the sequence, the whole last group of `context` (which ends with them)
+    from its start. FlexGen's mha_gen takes the group from `src_s // size * size`, which at
+    a group boundary is past the new token: that token was never stored."""
+    if config.group_dim == 0:
+        start = (context.shape[0] - 1) // config.group_size * config.group_size
+        new = context[start:]
+    return compute.compressed_device.compress(new, config)
 
 
 def output_logits(compute, hidden: TorchTensor, norm, w_token) -> torch.Tensor:

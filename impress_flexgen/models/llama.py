@@ -20,8 +20,8 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, dense, linear, output_logits, \
-    pick_next_token
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache, \
+    compressed_new, compressed_step, dense, linear, output_logits, pick_next_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,15 +226,29 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
             keys, values = k_new, v_new
         else:  # decode: the cache slice holds a free slot for this token, as in FlexGen
             (k_cache, _), (v_cache, _) = cache_read_buf.pop()
-            kc, vc = k_cache.data[: mask.shape[1]], v_cache.data[: mask.shape[1]]
+            rows = mask.shape[1]
+            if self.policy.compress_cache:
+                kc = compressed_step(self.compute, k_cache, rows)
+                vc = compressed_step(self.compute, v_cache, rows)
+            else:
+                kc, vc = k_cache.data[:rows], v_cache.data[:rows]
             kc[-s:] = to_cache_layout(k_new)
             vc[-s:] = to_cache_layout(v_new)
             keys, values = from_cache_layout(kc, b), from_cache_layout(vc, b)
             allowed = mask[:, None, None, :]
 
         out = grouped_attention(q, keys, values, allowed)
-        cache_write_buf.store((TorchTensor.create_from_torch(to_cache_layout(k_new), self.compute),
-                               TorchTensor.create_from_torch(to_cache_layout(v_new), self.compute)))
+        k_store, v_store = to_cache_layout(k_new), to_cache_layout(v_new)
+        if self.policy.compress_cache:
+            config = self.policy.comp_cache_config
+            new = (self.compute.compressed_device.compress(k_store, config),
+                   self.compute.compressed_device.compress(v_store, config)) if i == 0 else \
+                (compressed_new(self.compute, kc, k_store, config),
+                 compressed_new(self.compute, vc, v_store, config))
+        else:
+            new = (TorchTensor.create_from_torch(k_store, self.compute),
+                   TorchTensor.create_from_torch(v_store, self.compute))
+        cache_write_buf.store(new)
         hidden.val = TorchTensor.create_from_torch(llama_out(c, weights, out, x), self.compute)
 
 
@@ -313,14 +327,11 @@ class LlamaOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
 
 
 def check_policy(config, policy) -> None:
-    if policy.compress_cache:
-        raise UserError("compressed KV cache is not supported for Llama models")
+    check_compressed_cache(policy)
     if policy.cpu_cache_compute:
         raise UserError("--cpu-cache-compute is not supported for Llama models")
     if policy.attn_sparsity < 1.0:
         raise UserError("attention sparsity is not supported for Llama models")
-    if policy.compress_weight and config.dtype != np.float16:
-        raise UserError("FlexGen's weight compression needs fp16 (--dtype fp16)")
 
 
 class LlamaModel(FlexGenModel, flex_opt.OptLM):

@@ -13,7 +13,8 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, linear, output_logits, pick_next_token
+from .base import FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache, \
+    compressed_new, compressed_step, linear, output_logits, pick_next_token
 
 PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
 
@@ -87,20 +88,49 @@ class OptOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
 
 class OptSelfAttention(flex_opt.SelfAttention):
     """FlexGen's attention with its KV cache in the model's dtype (FlexGen's is always fp16,
-    which fp32 queries cannot be multiplied with on a split cache)."""
+    which fp32 queries cannot be multiplied with on a split cache). A decode step over a
+    compressed cache runs FlexGen's mha_gen over the cache decompressed here and stores the
+    new token by compressed_new (FlexGen's own loses a token at group boundaries when the
+    groups run along the sequence)."""
 
     def init_cache_one_gpu_batch(self, cache_home):
-        if self.policy.compress_cache:
-            return super().init_cache_one_gpu_batch(cache_home)
         c = self.config
         cache_home.store(allocate_cache(self, c.n_head, c.input_dim // c.n_head, c.dtype))
 
+    def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
+                cache_write_buf, i, k):
+        if i == 0 or not self.policy.compress_cache:
+            return super().forward(hidden, cache_read_buf, weight_read_buf, attention_mask,
+                                   cache_write_buf, i, k)
+        donate = [False] * 14
+        donate[0] = True
+        held = weight_read_buf.pop() if k == self.policy.num_gpu_batches - 1 \
+            else weight_read_buf.val
+        w = [x for x, _ in held]
+        mask, donate[1] = attention_mask.val.smart_copy(self.attention_compute)
+        (k_cache, _), (v_cache, _) = cache_read_buf.pop()
+        rows = mask.shape[1]
+        k_ctx = compressed_step(self.compute, k_cache, rows)
+        v_ctx = compressed_step(self.compute, v_cache, rows)
+        h, _, _ = self.compute.mha_gen(
+            hidden.val, mask, *w, self.config.n_head,
+            TorchTensor.create_from_torch(k_ctx, self.compute),
+            TorchTensor.create_from_torch(v_ctx, self.compute), donate,
+            self.policy.attn_sparsity, False, None)
+        # mha_gen wrote the new token's K and V into the last row of the contexts.
+        config = self.policy.comp_cache_config
+        cache_write_buf.store((compressed_new(self.compute, k_ctx, k_ctx[rows - 1:], config),
+                               compressed_new(self.compute, v_ctx, v_ctx[rows - 1:], config)))
+        hidden.val = h
+
 
 def check_policy(config: OptConfig, policy) -> None:
-    if config.dtype != np.float16 and (policy.attn_sparsity < 1.0 or policy.compress_cache
-                                       or policy.compress_weight or policy.cpu_cache_compute):
-        raise UserError("FlexGen's sparse attention, compression and CPU cache compute "
-                        "need fp16 (--dtype fp16)")
+    # Compression works in any dtype (compat routes it through quant.py); these two are
+    # FlexGen's fp16 kernels.
+    if config.dtype != np.float16 and (policy.attn_sparsity < 1.0 or policy.cpu_cache_compute):
+        raise UserError("FlexGen's sparse attention and CPU cache compute need fp16 "
+                        "(--dtype fp16)")
+    check_compressed_cache(policy)
 
 
 class OptModel(FlexGenModel, flex_opt.OptLM):

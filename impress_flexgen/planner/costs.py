@@ -302,8 +302,12 @@ def calibrate(measure: Callable[[int, int], float],
                 guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
                 if spent + guess > budget_s:
                     continue
-            # The min: noise (other work, page faults) only ever adds time.
-            runs = [float(measure(int(n), int(ctx))) for _ in range(repeats)]
+            # The min: noise (other work, page faults) only ever adds time. A point that
+            # alone outlasts the budget (a model far larger than the machine) is not
+            # measured again.
+            runs = [float(measure(int(n), int(ctx)))]
+            while len(runs) < repeats and (budget_s is None or spent + sum(runs) < budget_s):
+                runs.append(float(measure(int(n), int(ctx))))
             spent += sum(runs)
             measured.append((int(n), int(ctx), min(runs)))
     curve = PrefillCurve.fit(measured)

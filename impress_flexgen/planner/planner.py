@@ -93,6 +93,12 @@ class _Learned:
         self._seen.append(float(x))
 
 
+def _model_label(spec) -> str:
+    """The model as its prefill cost knows it: 4-bit weights cost a dequantisation more."""
+    fmt = getattr(spec, "weight_format", None)
+    return spec.name if fmt is None or not fmt.compress else f"{spec.name}:{fmt.label}"
+
+
 class Planner:
     """measure(n, ctx) -> seconds of one prefill (the curve's points); store: what the plans
     read (StoreView); policy: the serving policy (what it loads); machine: what the
@@ -140,7 +146,8 @@ class Planner:
         return cls(engine.measure_prefill, StoreView(engine.store), engine.policy,
                    n_layers=engine.math.n_layers, max_positions=engine.max_positions,
                    tier_names=engine.tier_names, retention=engine.config.retention,
-                   machine=machine_key(engine.rt.spec.name, engine.device, engine.dtype),
+                   machine=machine_key(_model_label(engine.rt.spec), engine.device,
+                                       engine.dtype),
                    points=points)
 
     # -- the cost model -----------------------------------------------------------------
