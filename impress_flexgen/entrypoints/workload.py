@@ -18,6 +18,23 @@ def check_workload(spec, args) -> None:
                        f"{args.query_tokens})")
 
 
+def quick_for(rt, args) -> None:
+    """--quick on a model whose passes are slow: a smaller workload (quick.py), said in
+    one line; the default where it is predicted to fit (on a GPU: always)."""
+    from ..planner.estimate import estimate_for
+    from .quick import choose
+
+    curve = estimate_for(rt)
+    if curve is None:
+        return
+    w, why = choose(curve.predict, args.query_tokens, args.max_new_tokens)
+    if why is None:
+        return
+    args.prefixes, args.prefix_tokens, args.queries = w.prefixes, w.prefix_tokens, w.queries
+    args.query_tokens, args.max_new_tokens = w.query_tokens, w.new_tokens
+    print(f"quick workload: {w.describe()}: {why}")
+
+
 def serve_workload(rt, args, root: Path) -> int:
     """Serve the workload with each policy (a store each under `root`), print the summary
     and a sample, write --json."""
@@ -31,6 +48,8 @@ def serve_workload(rt, args, root: Path) -> int:
     from ..tiers.remote_url import redact_url
     from ..workload import WorkloadConfig, build_workload
 
+    if args.quick:
+        quick_for(rt, args)
     wl = build_workload(rt.tokenizer, WorkloadConfig(
         n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         queries_per_prefix=args.queries, query_tokens=args.query_tokens,

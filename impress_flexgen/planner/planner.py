@@ -43,7 +43,9 @@ import numpy as np
 
 from .. import paths, progress
 from ..tiers.chain import DISK, REMOTE
-from .costs import DEFAULT_POINTS, Bandwidth, CostModel, calibrate, machine_key
+from .costs import (DEFAULT_POINTS, Bandwidth, CostModel, PrefillCurve, calibrate,
+                    machine_key)
+from .estimate import estimate_for
 from .reads import StoreView, prefix_costs
 from .split import Plan, PrefixCosts, choose_plan, split_compute
 
@@ -106,8 +108,10 @@ class Planner:
 
     def __init__(self, measure: Callable[[int, int], float], store: StoreView, policy, *,
                  n_layers: int, max_positions: int, tier_names, machine: str,
-                 retention: float = 1.0, points=DEFAULT_POINTS):
+                 retention: float = 1.0, points=DEFAULT_POINTS,
+                 prior: Callable[[], PrefillCurve | None] | None = None):
         self.measure = measure
+        self.prior = prior     # an estimate of the curve, for calibration's budget
         self.store = store
         self.policy = policy
         self.n_layers = n_layers
@@ -148,7 +152,7 @@ class Planner:
                    tier_names=engine.tier_names, retention=engine.config.retention,
                    machine=machine_key(_model_label(engine.rt.spec), engine.device,
                                        engine.dtype),
-                   points=points)
+                   points=points, prior=lambda: estimate_for(engine.rt))
 
     # -- the cost model -----------------------------------------------------------------
     def cost(self) -> CostModel:
@@ -165,7 +169,7 @@ class Planner:
         key += f";budget={self.budget_s}"
         return calibrate(self._measure, self.points, cache_dir() / "costs" / f"{name}.json",
                          key=key, budget_s=self.budget_s, use_cache=use_cache,
-                         announce=progress.step)
+                         announce=progress.step, prior=self.prior, say=progress.say)
 
     def recalibrate(self, wait: bool = False) -> None:
         """Measure the prefill curve again in the background (the engine's requests go on:
