@@ -86,3 +86,38 @@ def test_estimate_reads_disk_unpacks_4bit_and_multiplies_every_weight():
         "gpu": 1000, "cpu": 0, "disk": 5000}), rates)
     assert on_disk.a == pytest.approx(5000 / 1e6 + params / 1e7 + params * 4 / 1e8)
     assert on_disk.b == in_ram.b
+
+
+def test_quick_prefers_the_curve_an_earlier_start_measured(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from impress_flexgen.costs import machine_key
+    from impress_flexgen.entrypoints.run import parse_args
+    from impress_flexgen.entrypoints.workload import quick_for
+    from impress_flexgen.planner import planner as planner_mod
+    from impress_flexgen.planner.costs import _write_cache
+
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = resolve_spec(RuntimeConfig(model="opt-tiny"), check_placement=False)
+    rt = SimpleNamespace(spec=spec, plan=SimpleNamespace(
+        format=WeightFormat("fp32", spec.config.dtype),
+        weights={"gpu": footprint(spec).weight_bytes, "cpu": 0, "disk": 0}))
+    args = parse_args(["--model", "opt-tiny", "--quick"])
+    quick_for(rt, args)                      # estimated: a tiny model keeps the default
+    assert (args.prefixes, args.prefix_tokens, args.queries) == (2, 512, 2)
+    assert capsys.readouterr().out == ""
+    # An earlier start measured a slow curve here (as if each pass took a minute).
+    slow = PrefillCurve(60.0, 0.5, 0.0)
+    path, key = planner_mod.cache_entry(
+        machine_key(spec.name, torch.device("cpu"), torch.float32),
+        planner_mod.CALIBRATION_BUDGET_S)
+    _write_cache(path, key, [(16, 0, slow.predict(16)), (64, 0, slow.predict(64)),
+                             (256, 0, slow.predict(256))], slow)
+    quick_for(rt, args)
+    w, _ = choose(slow.predict)
+    assert (args.prefixes, args.prefix_tokens, args.queries, args.query_tokens,
+            args.max_new_tokens) == (w.prefixes, w.prefix_tokens, w.queries, w.query_tokens,
+                                     w.new_tokens)
+    printed = capsys.readouterr().out
+    assert printed.startswith("quick workload: ") and "measured here" in printed

@@ -243,6 +243,9 @@ def _load_cache(path: Path, key: str) -> PrefillCurve | None:
         return None
 
 
+load_cache = _load_cache
+
+
 def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
     """Atomically (a new temporary file, fsynced, then os.replace): a reader sees the old
     file or the whole new one. A cache that cannot be written is only a warning."""

@@ -44,7 +44,7 @@ import numpy as np
 from .. import paths, progress
 from ..tiers.chain import DISK, REMOTE
 from .costs import (DEFAULT_POINTS, Bandwidth, CostModel, PrefillCurve, calibrate,
-                    machine_key)
+                    load_cache, machine_key)
 from .estimate import estimate_for
 from .reads import StoreView, prefix_costs
 from .split import Plan, PrefixCosts, choose_plan, split_compute
@@ -72,6 +72,20 @@ class _Closing(progress.Stopped):
 def cache_dir() -> Path:
     """Where calibrations are cached: the one cache root (paths.cache_dir)."""
     return paths.cache_dir()
+
+
+def cache_entry(machine: str, budget_s: float | None) -> tuple[Path, str]:
+    """(the calibration cache file, its key) of a planner on `machine` (costs.machine_key)."""
+    name = hashlib.sha256(machine.encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{name}.json", f"{machine};budget={budget_s}"
+
+
+def measured_curve(spec, device, dtype) -> PrefillCurve | None:
+    """The prefill curve an earlier start calibrated for `spec` on this machine, if cached
+    (what a planner built now would use); None: none, or not a measurement."""
+    path, key = cache_entry(machine_key(_model_label(spec), device, dtype),
+                            CALIBRATION_BUDGET_S)
+    return load_cache(path, key)
 
 
 class _Learned:
@@ -164,11 +178,8 @@ class Planner:
             return self._cost
 
     def _calibrate(self, use_cache: bool):
-        key = self.machine
-        name = hashlib.sha256(key.encode()).hexdigest()[:16]
-        key += f";budget={self.budget_s}"
-        return calibrate(self._measure, self.points, cache_dir() / "costs" / f"{name}.json",
-                         key=key, budget_s=self.budget_s, use_cache=use_cache,
+        path, key = cache_entry(self.machine, self.budget_s)
+        return calibrate(self._measure, self.points, path, key=key, budget_s=self.budget_s, use_cache=use_cache,
                          announce=progress.step, prior=self.prior, say=progress.say)
 
     def recalibrate(self, wait: bool = False) -> None:
