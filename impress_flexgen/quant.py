@@ -135,37 +135,21 @@ class Workspace:
     tensor of a layer's size is fresh pages, and faulting them in cost three times the
     arithmetic (torch's CPU allocator hands blocks that large back to the kernel). A
     buffer is taken again only once nothing else holds its storage (the weight it held
-    is no longer used), so a decompressed tensor a caller keeps is never overwritten.
-    Buffers are shared by size, not shape: a request takes the smallest free buffer that
-    holds it, and where none does the largest free one is replaced by one that does. So the
-    workspace holds about what was in use at once (OPT-30B: the MLP's two matrices, and
-    the attention's four in those and two more), not one buffer per weight shape."""
+    is no longer used), so a decompressed tensor a caller keeps is never overwritten; the
+    workspace holds at most what was in use at once."""
 
     def __init__(self):
         self._local = threading.local()
 
     def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
         pool = self._local.__dict__.setdefault("pool", {})
-        held = pool.setdefault((dtype, str(device)), [])
-        n = 1
-        for d in shape:
-            n *= int(d)
-        free = [buf for buf in held if _storage_uses(buf) <= _FREE_USES]
-        fits = [buf for buf in free if buf.numel() >= n]
-        if fits:
-            buf = min(fits, key=torch.Tensor.numel)
-        else:
-            if free:   # by identity: == on tensors compares their values
-                largest = max(free, key=torch.Tensor.numel)
-                held[:] = [buf for buf in held if buf is not largest]
-            buf = torch.empty(n, dtype=dtype, device=device)
-            held.append(buf)
-        return buf[:n].view(tuple(shape))
-
-    def held_bytes(self) -> int:
-        """Bytes this thread's workspace holds."""
-        pool = self._local.__dict__.get("pool", {})
-        return sum(buf.numel() * buf.element_size() for held in pool.values() for buf in held)
+        held = pool.setdefault((tuple(shape), dtype, str(device)), [])
+        for buf in held:
+            if _storage_uses(buf) <= _FREE_USES:
+                return buf
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        held.append(buf)
+        return buf
 
     def clear(self) -> None:
         self._local.__dict__.pop("pool", None)

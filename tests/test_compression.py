@@ -142,28 +142,6 @@ def test_a_decompressed_weight_still_held_is_never_overwritten():
     assert torch.equal(c, b)
 
 
-def test_the_workspace_holds_what_is_used_at_once_not_a_buffer_per_shape():
-    # OPT's layers, scaled down: an attention of four square matrices held at once, then
-    # an MLP of two four-times-larger ones (fc1 and fc2, of two shapes), and again.
-    h = 256
-    attn = [torch.randn(h, h) for _ in range(4)]
-    mlp = [torch.randn(4 * h, h), torch.randn(h, 4 * h)]
-    packed = [(w.shape, *quant.compress(w, 64, 0)) for w in attn + mlp]
-    want = [quant.decompress(d, s, shape, 64, 0, torch.float32).clone()
-            for shape, d, s in packed]
-    quant.WORKSPACE.clear()
-    for _ in range(3):
-        for part in (slice(0, 4), slice(4, 6)):
-            held = [quant.decompress(d, s, shape, 64, 0, torch.float32)
-                    for shape, d, s in packed[part]]
-            assert all(torch.equal(a, b) for a, b in zip(held, want[part]))
-            del held
-    fp32 = 4 * (2 * 4 * h * h + 2 * h * h)     # the MLP's two, and two more for attention
-    unpacked = 4 * h * h                      # one byte buffer, of the largest
-    assert quant.WORKSPACE.held_bytes() == fp32 + unpacked
-    quant.WORKSPACE.clear()
-
-
 def test_a_small_tensor_is_worked_on_one_thread_a_large_one_on_all(monkeypatch):
     """A small layer's passes end before a second CPU thread joins; the caller's count is
     restored after either."""
