@@ -70,8 +70,7 @@ def stored_vs_computed_logprobs(quick: bool, workdir: Path | None = None) -> dic
 
 
 def _run_cases(quick: bool, tmp: Path) -> dict:
-    from impress_flexgen.engine import Engine, Request, TierSizes, open_store
-    from impress_flexgen.engine.batch_prefill import start_together
+    from impress_flexgen.engine import Engine, Request, TierSizes, assemble, open_store
     from impress_flexgen.runtime import Runtime, RuntimeConfig
     from policies import ServingConfig, make_policy
 
@@ -87,7 +86,7 @@ def _run_cases(quick: bool, tmp: Path) -> dict:
             fmt = {} if kv_format is None else {"kv_format": kv_format}
             store = open_store(tmp / name, rt, cfg, full, **fmt)
             opened.append(store)
-            return Engine(rt, store, full, TierSizes())
+            return assemble(rt, full, store, TierSizes()).engine
 
         def ask(e: Engine, p, q):
             return e.serve(Request(p, q, 4, forced=q[:3]), query_logits=True)
@@ -107,17 +106,14 @@ def _run_cases(quick: bool, tmp: Path) -> dict:
             cases["grown_prefix"] = {"max_abs_diff": _diff(grown, cold),
                                      "matched_tokens": grown.stats.matched_tokens}
             batch_engine = engine("batch")
-            pair = [(Request(p, q, 4, forced=q[:3]), True)
-                    for p, q in ((prefix, query), (second, other))]
+            pair = [Request(p, q, 4, forced=q[:3]) for p, q in ((prefix, query), (second, other))]
 
             def together():
-                out = []
-                for seq in start_together(batch_engine, pair):
-                    if isinstance(seq, Exception):
-                        raise seq
-                    while not seq.done:
-                        batch_engine.step([seq])
-                    out.append(batch_engine.finish(seq))
+                # Admitted in one step: prefilled in one pass, decoded side by side.
+                out = batch_engine.serve_all(pair, query_logits=True)
+                for r in out:
+                    if isinstance(r, Exception):
+                        raise r
                 return out
 
             first, again = together(), together()

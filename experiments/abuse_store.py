@@ -44,13 +44,13 @@ def _prompt(seed: int, n: int, vocab: int = 40000) -> list[int]:
 
 
 def _engine(rt, store_dir, url=None, secret=None):
-    from impress_flexgen.engine import Engine, TierSizes, open_store
+    from impress_flexgen.engine import TierSizes, assemble, open_store
     from policies import ServingConfig, make_policy
 
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=CHUNK)
-    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url, remote_secret=secret))
+    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url, remote_secret=secret)).engine
     if engine.shared is not None:     # always worth reading: this is about what it holds
         engine.shared.recompute_s = lambda n, ctx: 1e9
     return engine, store
@@ -168,7 +168,7 @@ def unauthenticated_pool(quick: bool, workdir=None) -> dict:
                     warned = any("has no secret" in w for w in start_engine(reader))
                     resp = reader.serve(Request(prefix, query, 4))
                     reader.shared.tier.flush(10)
-                    kept = len(rstore.tree)
+                    kept = len(rstore.inspect().state.tree)
                 finally:
                     reader.close()
                     rstore.close()

@@ -489,7 +489,7 @@ class PrefixKV:
                                         "of 64?)")
                     layers = []
                     for layer in range(runtime.spec.config.num_hidden_layers):
-                        parts = [store.read_layer(store.entry(node, layer), node)
+                        parts = [store.inspect().reads.read_layer(store.entry(node, layer), node)
                                  for node, _ in match.segments]
                         layers.append((torch.cat([k[:, :u] for (k, _), (_, u)
                                                   in zip(parts, match.segments)], 1),

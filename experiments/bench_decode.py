@@ -4,7 +4,7 @@
                                        [--batch 4] [--placement cpu] [--profile] [--json PATH]
 
 `--batch N` also decodes N such requests stepped together (one batched decode step per token,
-see batch_runner) against one after another: what batching buys per step, with the weights
+see engine/runner.py) against one after another: what batching buys per step, with the weights
 where `--placement` puts them (off the compute device, every step moves them); the batch runs
 with its contexts side by side (one attention call per layer) and request by request, in
 turn, `--rounds` times. `--masked F` has each KV head leave out a fraction F of each
@@ -44,10 +44,10 @@ def memcpy_gb_s(device, mb: int = 512, rounds: int = 5) -> float:
 
 def ours(rt, prompt, n_tokens, profile=False):
     from policies import make_policy
-    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.engine import Request, assemble
     from impress_flexgen.serving import RunConfig
 
-    engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
+    engine = assemble(rt, make_policy("full", RunConfig(label="full", policy="full").serving()), None).engine
     engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=4))   # warm up
     resp = engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=n_tokens))
     if profile:
@@ -66,30 +66,37 @@ def batched(rt, prompt, n_tokens, batch, rounds=1, masked=0.0):
     and of one alone. `masked`: the fraction of each context's prompt tokens each KV head
     leaves out (seeded), as a policy's per-head selection does; 0 attends everything."""
     from policies import make_policy
-    from impress_flexgen.engine import Engine, Request
+    from impress_flexgen.engine import Request, assemble
     from impress_flexgen.serving import RunConfig
 
-    engine = Engine(rt, None, make_policy("full", RunConfig(label="full", policy="full").serving()))
+    engine = assemble(rt, make_policy("full", RunConfig(label="full", policy="full").serving()), None).engine
     reqs = [Request(prompt[:-1 - i], prompt[-1 - i:], max_new_tokens=n_tokens)
             for i in range(batch)]
     g = torch.Generator().manual_seed(0)
     speed = {"side_by_side": [], "per_request": []}
+    start_decode = engine.runner.start_decode
+
+    def start_masked(seq, kept):
+        """The context as made, then `masked` of its prompt positions left out per head."""
+        start_decode(seq, kept)
+        for kv in seq.kv:
+            keep = torch.ones(engine.math.n_head, kv.k.shape[1], dtype=torch.bool)
+            keep[:, 1:kv.n] = torch.rand(keep.shape[0], kv.n - 1, generator=g) >= masked
+            kv.mask = keep
+
+    if masked:
+        engine.runner.start_decode = start_masked
     for _ in range(rounds):
         for layout, runs in speed.items():
-            seqs = [engine.start(r) for r in reqs]
-            if masked:
-                for s in seqs:
-                    for kv in s.kv:
-                        keep = torch.ones(engine.math.n_head, kv.k.shape[1], dtype=torch.bool)
-                        keep[:, 1:kv.n] = torch.rand(keep.shape[0], kv.n - 1, generator=g) >= masked
-                        kv.mask = keep
             engine.runner.side_by_side = layout == "side_by_side"
+            seqs = [engine.add_request(r) for r in reqs]
+            engine.step()           # their prefill (one pass) and first decode step
+            before = sum(s.steps for s in seqs)
             t0 = time.perf_counter()
-            while not all(s.done for s in seqs):
-                engine.step([s for s in seqs if not s.done])
-            runs.append(sum(s.steps for s in seqs) / (time.perf_counter() - t0))
-            for s in seqs:
-                engine.finish(s)
+            while not all(s.finished for s in seqs):
+                engine.step()
+            runs.append((sum(s.steps for s in seqs) - before) / (time.perf_counter() - t0))
+    engine.runner.start_decode = start_decode
     engine.runner.side_by_side = True
     alone = 1.0 / engine.serve(reqs[0]).stats.decode_s_per_token
     return {k: float(np.median(v)) for k, v in speed.items()}, speed, alone

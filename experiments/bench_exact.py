@@ -4,7 +4,7 @@ call, and the bytes of the store's KV formats.
     python -m experiments.bench_exact [--quick] [--threads N] [--json out.json]
 
 An exact policy runs a request's whole-chunk prefix rows through every product in calls of
-256 rows and attends them by tiles of 256 positions (engine/canonical.py), so that stored KV
+256 rows and attends them by tiles of 256 positions (engine/attention.py), so that stored KV
 is recomputed KV bit for bit. This times a cold prefill of a prefix plus a query both ways,
 alternating in one process, wall and CPU time, and checks that the logits agree to rounding.
 Where other processes share the cores, every parallel call waits for its threads to be
@@ -27,8 +27,7 @@ import torch
 
 
 def measure(quick: bool, threads: int | None = None) -> dict:
-    from impress_flexgen.engine import Engine, RequestStats, model_shape
-    from impress_flexgen.engine.batch_prefill import PassInput, prefill_pass
+    from impress_flexgen.engine import Request, RequestStats, Sequence, assemble, model_shape
     from impress_flexgen.runtime import Runtime, RuntimeConfig
     from impress_flexgen.store import CHUNK_SIZE
     from policies import make_policy
@@ -41,13 +40,14 @@ def measure(quick: bool, threads: int | None = None) -> dict:
             Runtime(RuntimeConfig(model=model, offload_dir=str(Path(tmp) / "off"))) as rt:
         if threads:
             torch.set_num_threads(threads)
-        engine = Engine(rt, None, make_policy("recomp"))
+        engine = assemble(rt, make_policy("recomp"), None).engine
 
         def prefill(canonical_end: int):
             stats = RequestStats()
             t0, c0 = time.perf_counter(), time.process_time()
-            (_, _, tail, out_w), = prefill_pass(engine.layers, [PassInput(
-                ids, 0, [], stats, canonical_end=canonical_end)])
+            seq = Sequence(Request([], ids), stats=stats, new_ids=ids,
+                           canonical_end=canonical_end)
+            (_, _, tail, out_w), = engine.runner.prefill([seq])
             logits = engine.math.logits(out_w, tail[-1:])
             return time.perf_counter() - t0, time.process_time() - c0, logits
 

@@ -231,12 +231,12 @@ def load(store: PrefixStore, prefixes, plans, inflight: int) -> tuple[int, float
     Returns bytes read from disk and seconds.
     """
     n_layers = store.shape.n_layers
-    before = store.reader.bytes_read
+    before = store.inspect().state.reader.bytes_read
 
     def fetch(entry, node, kind, ids):
         if ids is None:
             ids = range(entry.layout.n_chunks)
-        return len(store.read_chunks(entry, kind, ids, node))
+        return len(store.inspect().reads.read_chunks(entry, kind, ids, node))
 
     with ThreadPoolExecutor(max_workers=2 * inflight, thread_name_prefix="bench-layer") as pool:
         t0 = time.perf_counter()
@@ -258,7 +258,7 @@ def load(store: PrefixStore, prefixes, plans, inflight: int) -> tuple[int, float
             finally:
                 store.release(match)
         elapsed = time.perf_counter() - t0
-    return store.reader.bytes_read - before, elapsed
+    return store.inspect().state.reader.bytes_read - before, elapsed
 
 
 def select_tokens(n: int, c: int, frac: float, rng: np.random.Generator) -> np.ndarray:
@@ -328,8 +328,8 @@ def run(args, bench: BenchShape, shape: ModelShape, workdir: str) -> int:
     c = args.chunk_size
     with PrefixStore(os.path.join(workdir, "store"), shape, config) as store:
         build_s = build(store, shape, prefixes, rng)
-        overheads = store.overheads()
-        file_bytes = store.disk_bytes()
+        overheads = store.inspect().accounting.overheads()
+        file_bytes = store.inspect().accounting.disk_bytes()
         t0 = time.perf_counter()
         write_random_file(raw_path, file_bytes, rng)
         raw_write_s = time.perf_counter() - t0
@@ -353,7 +353,7 @@ def run(args, bench: BenchShape, shape: ModelShape, workdir: str) -> int:
 
         # One pass of each per repeat, alternating, so drift in a shared disk's speed
         # falls on all of them alike.
-        files = [e.path for n in store.tree.nodes.values() for e in n.layers]
+        files = [e.path for n in store.inspect().state.tree.nodes.values() for e in n.layers]
         passes = {
             "raw": lambda: raw_read(raw_path, args.threads),
             "store": lambda: load(store, prefixes, None, args.inflight_layers),

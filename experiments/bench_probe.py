@@ -107,7 +107,7 @@ def measure(args) -> dict:
     if not torch.equal(decode_probe(buf, "int4", shape), decode_numpy(raw, shape)):
         raise AssertionError("the two int4 decoders disagree")
     keys = decode_probe(buf, "int4", shape)
-    ctx = types.SimpleNamespace(read_probe=lambda: ProbeKeys(keys), q=q, k_new=k_new, n_pad=0,
+    ctx = types.SimpleNamespace(probe=ProbeKeys(keys), q=q, k_new=k_new, n_pad=0,
                                 probe_heads=tuple(range(H)), probe_kv_heads=tuple(range(KV)),
                                 group=H // KV, config=ServingConfig())
     qb = q.reshape(KV, H // KV * s, d)

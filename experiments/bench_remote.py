@@ -44,7 +44,7 @@ import torch
 
 from impress_flexgen import scratch
 from impress_flexgen.cli import ArgumentParser, run_main, write_json
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.serving import RunConfig, prepared, start_engine
@@ -164,7 +164,7 @@ class Ways:
         self.recompute = None
         if not args.no_recompute:
             recomp = make_policy("recomp", ServingConfig(retention=1.0))
-            self.recompute = Engine(rt, None, recomp, TierSizes())
+            self.recompute = assemble(rt, recomp, None, TierSizes()).engine
             for _, query in wl.warmup:   # as prepared() warms the others: no cold first call
                 self.recompute.serve(Request(self.prefix, query, 1))
         self.full_run = RunConfig(DISK, "full", 1.0, chunk_size=cs)
@@ -185,7 +185,7 @@ class Ways:
         self.writer_metrics = pool.tier.metrics()
         if cluster_url is not None:
             copy_pool(url, cluster_url)
-        self.direct_io = self.disk.store.reader.direct
+        self.direct_io = self.disk.store.inspect().state.reader.direct
         self.impress = None
         if not args.no_impress:
             self.impress = stack.enter_context(prepared(
@@ -217,7 +217,7 @@ class Ways:
             policy = make_policy("full", cfg)
             store = open_store(Path(work) / "store", self.rt, cfg, policy,
                                **self.full_run.store_options())
-            engine = Engine(self.rt, store, policy, TierSizes(remote_url=url))
+            engine = assemble(self.rt, policy, store, TierSizes(remote_url=url)).engine
             # This way measures reads from the pool: never skipped by the budget (on a
             # busy machine one slow round trip can make a tiny model's compute look cheaper).
             engine.shared.recompute_s = lambda n, ctx: float("inf")

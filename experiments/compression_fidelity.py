@@ -23,7 +23,7 @@ import torch
 
 from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
 from impress_flexgen.corpus import list_texts, passages
-from impress_flexgen.engine import Engine, Request, TierSizes
+from impress_flexgen.engine import Request, assemble
 from impress_flexgen.quant import Groups
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from policies import ServingConfig, make_policy
@@ -74,7 +74,7 @@ def _logits(rt, windows, prompt: int) -> tuple[list[torch.Tensor], dict]:
     pass, then one per forced decode step; and the mean prefill and per-token decode
     seconds."""
     policy = make_policy("recomp", ServingConfig())
-    engine = Engine(rt, None, policy, TierSizes())
+    engine = assemble(rt, policy, None).engine
     out, ttft, decode = [], [], []
     try:
         for ids in windows:

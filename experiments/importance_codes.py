@@ -59,13 +59,13 @@ def serve(rt, wl, run: RunConfig, tiers: TierSizes, reference: dict, bits: int |
     with prepared(rt, wl, run, tiers, store=StoreOptions(reorder_interval=0)) as ready:
         store = ready.store
         if bits is not None:
-            with store.state.lock:
-                for stats in store.state.stats.values():
+            with store.inspect().state.lock:
+                for stats in store.inspect().state.stats.values():
                     stats.importance[:] = decode_importance(
                         encode_importance(stats.importance, bits), len(stats.importance))
         store.reorder_now()
         orders = {(node.start, layer): store.entry(node, layer).mapping
-                  for node in store.tree.nodes.values()
+                  for node in store.inspect().state.tree.nodes.values()
                   for layer in range(len(node.layers))}
         kls, top1, read = [], [], 0
         for qi, (p, query) in enumerate(wl.queries):

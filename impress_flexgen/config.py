@@ -155,7 +155,7 @@ class ServiceConfig:
     # it, clients that send at once see the first prefilled alone and the rest wait for it.
     batch_gather_s: float = 0.01
     # A scored prompt's tokens prefilled per step: what another request that arrives
-    # meanwhile waits for, and the rows of logits held at once (None: engine.scoring's).
+    # meanwhile waits for, and the rows of logits held at once (None: engine.scheduler's).
     score_piece_tokens: int | None = None
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;

@@ -1,4 +1,6 @@
-"""Errors that reach a user as one line and exit status 2, never as a traceback."""
+"""Errors that reach a user as one line and exit status 2, never as a traceback; and the
+store's own, which the engine serves around (a corrupt node is recomputed, a prefix that
+could not be stored is only not stored)."""
 
 
 class UserError(Exception):
@@ -37,3 +39,26 @@ def require(module: str, purpose: str, pip_spec: str) -> None:
     if not found:
         raise UserError(f"{purpose} needs the '{module}' package, which is not installed: "
                         f"pip install {pip_spec}")
+
+
+class CorruptNode(Exception):
+    """A chunk or probe section failed its CRC, or reading its file failed in any way
+    (short, missing, not a regular file, a symbolic link, an I/O error)."""
+
+    def __init__(self, node, detail: str):
+        super().__init__(f"node {node.id}: {detail}")
+        self.node = node
+
+
+class StoreWriteFailed(Exception):
+    """New KV could not be committed (the request is still served; its prefix is not
+    stored)."""
+
+
+class StoreFull(StoreWriteFailed):
+    """No room for new KV even after evicting every unlocked leaf, or the disk or the
+    metadata database is full."""
+
+
+class DiskFull(StoreFull):
+    """Writing a layer file failed with ENOSPC: the disk itself is full."""

@@ -27,7 +27,7 @@ MAX_STOP_CHARS = 256   # each; the stop check rescans this much text per token
 MAX_LOGPROBS = 20      # top log-probabilities per token, as vLLM's default limit
 # Log-probability entries (a token's own and its top k) one response may carry over its
 # prompt's tokens, every choice counted (each repeats the prompt's): what bounds a scored
-# prompt's length, since its logits are bounded by the piece (engine.scoring). Its text is
+# prompt's length, since its logits are bounded by the piece (engine.scheduler). Its text is
 # made under the GIL beside the server's other work, about 5 us an entry on the 2-core CPU:
 # 2**18 entries are about a second and 8 MB of JSON. One choice with the top 20 over a
 # prompt filling smollm2's 8,192 positions is 171,990 entries; 16 choices, 780 tokens.

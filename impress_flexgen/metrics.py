@@ -137,10 +137,10 @@ class ServiceMetrics:
             self.m_hit.labels(tier).set_function(lambda tier=tier: self._hit_ratio(tier))
         self.m_store = Gauge("store_bytes", "Bytes of the store's files on disk", namespace=ns,
                              registry=r)
-        self.m_store.set_function(lambda: self.store.disk_bytes() if self.store else 0)
+        self.m_store.set_function(lambda: self.store.inspect().accounting.disk_bytes() if self.store else 0)
         self.m_nodes = Gauge("store_nodes", "Prefix nodes in the store", namespace=ns,
                              registry=r)
-        self.m_nodes.set_function(lambda: len(self.store.tree) if self.store else 0)
+        self.m_nodes.set_function(lambda: len(self.store.inspect().state.tree) if self.store else 0)
         self.m_fallback = Gauge("fallback_ratio", "Layers of stored prefixes that fell back "
                                 "to loading the whole prefix, of all such layers",
                                 namespace=ns, registry=r)

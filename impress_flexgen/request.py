@@ -1,6 +1,6 @@
 """A request to the engine, its statistics and its response: what a caller hands in and
-gets back, apart from the engine that serves it (the scheduler and the batch runner use them
-too)."""
+gets back, apart from the engine that serves it (its sequence carries them from step to
+step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +42,7 @@ class Request:
     keep_logits: bool = False
     # Score the query (the whole prompt, no prefix): each of its tokens after the first
     # under the row before it, with the k likeliest. Prefilled in pieces, whose logits
-    # are the only ones held at a time (engine.scoring).
+    # are the only ones held at a time (engine.runner.score_piece).
     prompt_logprobs: int | None = None
 
 

@@ -11,9 +11,10 @@ engine's prefix (Job.split), so every full chunk is matched against the persiste
 store and what was not stored yet is inserted; a shared system prompt or a growing
 conversation is reused by the next request, and by the next process opened on the same store.
 
-Requests wait in a bounded queue in front of one worker thread that owns the engine and its
-scheduler (continuous batching). A full queue refuses at once (429); each request has a
-deadline and a cancel flag (a client that went away), checked as every token is produced.
+Requests wait in a bounded queue in front of one worker thread that steps the engine
+(continuous batching: engine/scheduler.py). A full queue refuses at once (429); each
+request has a deadline and a cancel flag (a client that went away), checked as every token
+is produced.
 The configuration is config.ServiceConfig; prompts become jobs in frontend.py; the metrics
 are metrics.py's.
 """
@@ -63,8 +64,7 @@ class Service:
         opens the store, builds the engine (its planner calibrated, its shared pool asked
         once) and starts the worker."""
         from . import cpu_threads
-        from .scheduler import Scheduler, SchedulerConfig
-        from .serving import start_engine
+        from .engine.assemble import start_engine
 
         config = self.config = config if config is not None else ServiceConfig()
         self._owns_runtime = runtime is None
@@ -86,16 +86,14 @@ class Service:
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
-        pieces = {} if config.score_piece_tokens is None else \
-            {"score_piece_tokens": config.score_piece_tokens}
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(
-            config.max_batch_size, config.max_batch_tokens, **pieces))
+        self.scheduler = self.engine.scheduler
         self.scheduler.arrived = lambda: not self._queue.empty()
         self.metrics = ServiceMetrics(self._queue, self.scheduler, self.engine, self.store)
         self.drain = Drain()       # how fast requests leave: a 429's Retry-After
-        # The scheduler's thread runs while there is work and ends when idle: an idle
-        # service keeps no CPU team that would slow another's products (cpu_threads).
+        # The worker thread runs while there is work and ends when idle: an idle service
+        # keeps no CPU team that would slow another's products (cpu_threads).
         self._worker: threading.Thread | None = None
+        self._tickets: dict[int, tuple] = {}   # sequence id -> (ticket, ended, started)
 
     def _assemble(self, config: ServiceConfig, runtime, tokenizer) -> None:
         """The policy, the runtime (unless given), the store root claimed, the store and
@@ -105,7 +103,7 @@ class Service:
         model is built."""
         from policies import POLICY_NAMES
 
-        from .engine import model_shape
+        from .engine import SchedulerConfig, model_shape
         from .engine.assemble import StoreSpec, assemble, make_serving_policy
         from .runtime import Runtime, resolve_spec
         from .store_root import _store_name, claim_store_root
@@ -131,7 +129,11 @@ class Service:
             if self.policy.reuse else None
         store_spec = None if self.store_dir is None else StoreSpec(
             self.store_dir, **config.store.open_options(), **run.store_options())
-        stack = assemble(runtime, self.policy, store_spec, config.tiers)
+        pieces = {} if config.score_piece_tokens is None else \
+            {"score_piece_tokens": config.score_piece_tokens}
+        stack = assemble(runtime, self.policy, store_spec, config.tiers,
+                         scheduling=SchedulerConfig(config.max_batch_size,
+                                                    config.max_batch_tokens, **pieces))
         self.store, self.engine = stack.store, stack.engine
 
     def describe(self) -> list[str]:
@@ -152,7 +154,7 @@ class Service:
         """The policy, its store and tiers; the plan mode and the shared pool."""
         if self.store is None:
             return [f"policy {self.policy.name}: no store (prefixes are recomputed)"]
-        held = len(self.store.tree)
+        held = len(self.store.inspect().state.tree)
         tiers = self.config.tiers
         plan = self.config.plan_line()
         if self.engine.shared is None and tiers.remote_url:
@@ -216,7 +218,7 @@ class Service:
         return tickets
 
     def _start_worker(self) -> None:
-        """Start the scheduler's thread unless it runs (with self._lock held)."""
+        """Start the worker thread unless it runs (with self._lock held)."""
         if self._worker is None or not self._worker.is_alive():
             self.drain.busy()
             self._worker = threading.Thread(target=self._work, name="engine-worker",
@@ -228,10 +230,10 @@ class Service:
         return self.submit(job).future.result()
 
     def _work(self) -> None:
-        """The scheduler loop: take queued tickets while the batch has room (those that
-        arrive within batch_gather_s of each other once one came to an idle batch), then
-        one scheduler step (admit, prefill, one decode step). Ends when nothing runs and
-        nothing is queued; submit() starts it again."""
+        """The loop: take queued tickets while the batch has room (those that arrive within
+        batch_gather_s of each other once one came to an idle batch), then one engine step
+        (admit, prefill, one decode step), answering the requests it finished. Ends when
+        nothing runs and nothing is queued; submit() starts it again."""
         sched = self.scheduler
         gather_s = self.config.batch_gather_s
         closing = False
@@ -262,47 +264,52 @@ class Service:
                     return
                 continue
             batch_before = sched.steps
-            sched.step()
+            for seq in self.engine.step():
+                self._answer(*self._tickets.pop(seq.id), seq.response, seq.error)
             if sched.steps != batch_before:
                 self.metrics.batch(sched.last_batch)
 
     def _admit(self, tickets: list[Ticket]) -> None:
-        """Hand a request's choices to the scheduler (or fail them now: cancelled, expired):
-        one Work per choice, or one for all the choices of a scored prompt."""
-        works = [w for w in map(self._work_of, tickets) if w is not None]
-        if len(works) > 1 and works[0].scores_prompt:
-            works[0].choices = works[1:]
-            works = works[:1]
-        for work in works:
-            self.scheduler.add(work)
-
-    def _work_of(self, ticket: Ticket):
-        """A ticket's scheduler Work, or None when it failed already."""
-        from .scheduler import Work
-
-        try:
-            request, ended = self._request(ticket)
-        except ServiceError as exc:
-            ticket.future.set_exception(exc)
-            return None
-        started = time.monotonic()
-
-        def on_done(resp, error) -> None:
+        """Hand a request's choices to the engine (or fail them now: cancelled, expired,
+        malformed): a sequence per choice, or one for all the choices of a scored prompt."""
+        taken = []
+        for ticket in tickets:
             try:
-                if error is not None:
-                    raise error
-                ticket.future.set_result(self._complete(ticket, resp, ended, started))
+                request, ended = self._request(ticket)
             except ServiceError as exc:
                 ticket.future.set_exception(exc)
-            except UserError as exc:
-                self.count("invalid")
-                ticket.future.set_exception(ServiceError(400, str(exc)))
-            except Exception as exc:  # noqa: BLE001 - one request failed; keep serving
-                log.error("request failed", exc_info=exc)
-                self.count("error")
-                ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
+                continue
+            taken.append((ticket, request, ended, time.monotonic()))
+        if len(taken) > 1 and taken[0][1].prompt_logprobs is not None:
+            groups = [taken]          # one prefill for the choices of a scored prompt
+        else:
+            groups = [[one] for one in taken]
+        for group in groups:
+            try:
+                lead = self.engine.add_request(group[0][1],
+                                               choices=[one[1] for one in group[1:]])
+            except Exception as exc:  # noqa: BLE001 - refused here, answered as any failure
+                for ticket, _, ended, started in group:
+                    self._answer(ticket, ended, started, None, exc)
+                continue
+            for seq, (ticket, _, ended, started) in zip([lead, *lead.choices], group):
+                self._tickets[seq.id] = (ticket, ended, started)
 
-        return Work(request, on_done)
+    def _answer(self, ticket: Ticket, ended: dict, started: float, resp, error) -> None:
+        """Complete a ticket with its response, or fail it with what went wrong."""
+        try:
+            if error is not None:
+                raise error
+            ticket.future.set_result(self._complete(ticket, resp, ended, started))
+        except ServiceError as exc:
+            ticket.future.set_exception(exc)
+        except UserError as exc:
+            self.count("invalid")
+            ticket.future.set_exception(ServiceError(400, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - one request failed; keep serving
+            log.error("request failed", exc_info=exc)
+            self.count("error")
+            ticket.future.set_exception(ServiceError(500, f"internal error: {exc}"))
 
     def _request(self, ticket: Ticket):
         """The engine request of a ticket, with its streaming, stop strings, cancellation

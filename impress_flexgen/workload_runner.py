@@ -153,6 +153,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     probe = int(sum(r.probe_bytes for r in rows))
     layers = sum(r.layers for r in rows if r.matched_tokens)
     gpu = store.tiers.cache.metrics[GPU] if store is not None else {"hits": 0, "misses": 0}
+    parts = store.inspect() if store is not None else None
     planned = [r for r in rows if r.matched_tokens]
     decoded = [r.decode_s_per_token for r in rows if r.decode_s_per_token > 0]
     accesses = gpu["hits"] + gpu["misses"]
@@ -186,7 +187,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "top1_agreement": float(np.mean(top1)) if top1 else None,
         "tiers": None if store is None else {
             **store.tiers.cache.metrics, "duplicate_bytes": store.tiers.cache.duplicate_bytes()},
-        "store_metrics": dataclasses.asdict(store.metrics) if store is not None else None,
+        "store_metrics": dataclasses.asdict(parts.state.metrics) if store is not None else None,
         "matched_tokens_mean": float(np.mean([r.matched_tokens for r in rows])),
         # How the queries with a stored prefix were served, and what the pool gave.
         "plans": {p: sum(r.plan == p for r in planned) for p in PLAN_KINDS},
@@ -194,7 +195,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         if planned else 0.0,
         "shared_tokens_mean": float(np.mean([r.shared_tokens for r in rows])),
         "shared_bytes": loaded.get(REMOTE, 0),
-        "reorders": store.metrics.reorders if store is not None else 0,
+        "reorders": parts.state.metrics.reorders if store is not None else 0,
     }
 
 
@@ -202,9 +203,9 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
 def store_space(store) -> dict:
     """Bytes on disk: K/V chunks (padding included), probe copies, metadata database."""
     kv = probe = 0
-    for node in store.tree.nodes.values():
+    for node in store.inspect().state.tree.nodes.values():
         for entry in node.layers:
             probe += entry.layout.probe_stride
             kv += 2 * entry.layout.section_bytes
-    meta = sum(f.stat().st_size for f in store.dir.glob("store.sqlite*"))
+    meta = sum(f.stat().st_size for f in store.inspect().state.dir.glob("store.sqlite*"))
     return {"kv_bytes": kv, "probe_bytes": probe, "metadata_bytes": meta}

@@ -170,7 +170,7 @@ class LayerContext:
     config: ServingConfig
     probe_heads: tuple[int, ...]    # query heads that probe
     probe_kv_heads: tuple[int, ...] # KV heads held by the probe copy, in its order
-    read_probe: Callable[[], ProbeKeys]                          # this layer's probe keys
+    probe: ProbeKeys | None         # this layer's probe keys, read ahead (policies that probe)
     load: Callable[[str, int, np.ndarray], list[torch.Tensor]]  # kind, segment, chunk ids
     n_pad: int = 0                  # leading prefix tokens nobody attends to (padding)
     # Leading prefix tokens recomputed in this pass (the "both" plan): the new tokens attend

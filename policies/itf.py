@@ -26,7 +26,7 @@ def probe_scores(ctx: LayerContext) -> torch.Tensor:
     in their stored order and the scores mapped to logical positions afterwards. Everything
     runs in float32 on the device of the queries (the probe keys were moved there when read).
     """
-    probe = ctx.read_probe()
+    probe = ctx.probe
     keys = probe.keys                                         # (n_probe_kv, columns, d)
     device = ctx.q.device
     d = keys.shape[-1]

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.sampling import SamplingParams
-from impress_flexgen.scheduler import Scheduler, SchedulerConfig, Work, serve_all
+from impress_flexgen.engine import SchedulerConfig
 from policies import POLICY_NAMES, ServingConfig, make_policy
 
 CHUNK = 16
@@ -70,13 +70,13 @@ def serve_both(rt, tmp_path, name, retention, stop_token=None, batch=8):
         store = open_store(tmp_path / f"{name}-{mode}", rt, cfg, policy, chunk_size=CHUNK) \
             if policy.reuse else None
         try:
-            engine = Engine(rt, store, policy, TierSizes())
+            engine = assemble(rt, policy, store, TierSizes()).engine
             stem, reqs = requests(stop_token)
             engine.serve(Request(stem, [5], 1))          # the stored prefix
             if mode == "alone":
                 resps = [engine.serve(r) for r in reqs]
             else:
-                resps = serve_all(engine, reqs, SchedulerConfig(max_batch_size=batch))
+                resps = engine.serve_all(reqs, SchedulerConfig(max_batch_size=batch))
             results.append((resps, [r.on_token.seen for r in reqs]))
         finally:
             if store is not None:
@@ -91,7 +91,7 @@ def engine_on_store(rt, path, name="full", retention=None):
     policy = make_policy(name, cfg)
     store = open_store(path, rt, cfg, policy, chunk_size=CHUNK)
     try:
-        engine = Engine(rt, store, policy, TierSizes())
+        engine = assemble(rt, policy, store, TierSizes()).engine
         yield engine, store
         engine.close()
     finally:
@@ -143,33 +143,35 @@ def test_opt_batched_equals_alone(tiny_runtimes, tmp_path):
 
 def test_admission_waits_for_memory_and_batch_size(tiny_runtimes, tmp_path):
     rt = tiny_runtimes["llama-tiny"]
-    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
     _, reqs = requests(None)
-    sched = Scheduler(engine, SchedulerConfig(max_batch_size=3))
+    engine.schedule_by(SchedulerConfig(max_batch_size=3))
+    sched = engine.scheduler
     done, peak = [], 0
     for r in reqs[:4]:
-        sched.add(Work(r, lambda resp, err: done.append((resp, err))))
-    sched.kv_budget = sum(w.kv_bytes for w in list(sched.waiting)[:2])   # room for two
+        engine.add_request(r)
+    sched.kv_budget = sum(s.kv_bytes for s in list(sched.waiting)[:2])   # room for two
     while sched.busy:
-        sched.step()
+        done += engine.step()
         peak = max(peak, len(sched.running))
         assert sched.kv_in_use() <= sched.kv_budget
         assert len(sched.running) <= 3
-    assert len(done) == 4 and all(err is None for _, err in done)
+    assert len(done) == 4 and all(s.error is None for s in done)
     assert peak == 2                       # memory, not the batch size, held the third
     # A request larger than the whole budget is still served when it runs alone.
     sched.kv_budget = 1
-    sched.add(Work(reqs[0], lambda resp, err: done.append((resp, err))))
-    sched.drain()
-    assert done[-1][1] is None and len(done[-1][0].tokens) == reqs[0].max_new_tokens
+    seq = engine.add_request(reqs[0])
+    while not seq.finished:
+        engine.step()
+    assert seq.error is None and len(seq.result().tokens) == reqs[0].max_new_tokens
 
 
 def test_a_failing_request_leaves_the_others(tiny_runtimes):
     rt = tiny_runtimes["llama-tiny"]
-    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
     good = Request([11, 12, 13], [14], 4, keep_logits=True)
     bad = Request([11, 12], [], 4)                   # no query: refused
-    out = serve_all(engine, [good, bad, good])
+    out = engine.serve_all([good, bad, good])
     assert isinstance(out[1], Exception)
     assert out[0].tokens == out[2].tokens == engine.serve(good).tokens
     assert torch.equal(out[0].step_logits[-1], out[2].step_logits[-1])
@@ -218,14 +220,15 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
     """Requests admitted together are prefilled in one pass: each layer's weights are
     brought once for all of them, and every answer equals the same request alone."""
     rt = tiny_runtimes["llama-tiny"]
-    engine = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
     reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1, keep_logits=True)
             for n in (5, 19, 33)]
     alone = [engine.serve(r) for r in reqs]
     loads = []
-    real = engine.layers.weights
-    monkeypatch.setattr(engine.layers, "weights", lambda j, st: loads.append(j) or real(j, st))
-    together = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4))
+    real = engine.runner.load_weights
+    monkeypatch.setattr(engine.runner, "load_weights",
+                        lambda j, st: loads.append(j) or real(j, st))
+    together = engine.serve_all(reqs, SchedulerConfig(max_batch_size=4))
     assert loads.count(1) == 1                 # the first attention layer's: once, not 3x
     assert loads.count(2) == 1                 # its MLP's
     for a, b in zip(alone, together):
@@ -233,7 +236,7 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
         assert float((a.step_logits[0] - b.step_logits[0]).abs().max()) < 1e-4
     # A pass takes requests up to its token budget; the rest follow in passes of their own.
     loads.clear()
-    split = serve_all(engine, reqs, SchedulerConfig(max_batch_size=4, pass_tokens=30))
+    split = engine.serve_all(reqs, SchedulerConfig(max_batch_size=4, pass_tokens=30))
     assert loads.count(1) == 2                 # 7 + 21 new tokens, then 35 alone
     assert [r.tokens for r in split] == [r.tokens for r in together]
 
@@ -241,17 +244,17 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
 def test_a_failed_pass_serves_its_requests_alone(tiny_runtimes, tmp_path, monkeypatch):
     """Anything failing inside a shared pass (corrupt stored KV, a lost pool chunk, ...)
     serves each of its requests alone, with the engine's own recovery: same answers."""
-    from impress_flexgen.engine import batch_prefill
+    from impress_flexgen.engine.runner import Runner
 
-    real = batch_prefill.prefill_pass
+    real = Runner.prefill
 
-    def fails_when_shared(e, inputs):
-        if len(inputs) > 1:
+    def fails_when_shared(runner, seqs):
+        if len(seqs) > 1:
             raise RuntimeError("a chunk failed its check")
-        return real(e, inputs)
+        return real(runner, seqs)
 
     alone, _ = serve_both(tiny_runtimes["llama-tiny"], tmp_path / "a", "full", 1.0)
-    monkeypatch.setattr(batch_prefill, "prefill_pass", fails_when_shared)
+    monkeypatch.setattr(Runner, "prefill", fails_when_shared)
     _, batched = serve_both(tiny_runtimes["llama-tiny"], tmp_path / "b", "full", 1.0)
     check_equal(alone, batched)
 
@@ -264,18 +267,18 @@ def test_an_idle_service_gathers_a_burst_into_one_pass(tiny_runtimes, tmp_path, 
     as soon as it arrives, held here until the others are queued)."""
     import threading
 
-    from impress_flexgen import scheduler as sched_mod
+    from impress_flexgen.engine import Engine
     from impress_flexgen.service import Service, ServiceConfig
 
     rt = tiny_runtimes["llama-tiny"]
     passes = []
-    real = sched_mod.Scheduler._prefill
+    real = Engine._prefill
 
-    def record(self, works):
-        passes.append(len(works))
-        return real(self, works)
+    def record(self, group):
+        passes.append(len(group))
+        return real(self, group)
 
-    monkeypatch.setattr(sched_mod.Scheduler, "_prefill", record)
+    monkeypatch.setattr(Engine, "_prefill", record)
     config = ServiceConfig(model="llama-tiny", store_root=tmp_path, max_batch_size=4,
                            queue_size=8, batch_gather_s=gather_s)
     with Service(config, runtime=rt) as service:
@@ -337,24 +340,25 @@ def test_a_request_decodes_while_its_prefix_is_stored(tiny_runtimes, tmp_path):
                 streamed.set()
             return True
 
-        seq = engine.start(Request(stem, [5, 6], 6, on_token=on_token))
-        while not seq.done:
-            engine.step([seq])
-        response = engine.finish(seq)
+        seq = engine.add_request(Request(stem, [5, 6], 6, on_token=on_token))
+        while not seq.finished:
+            engine.step()
+        response = seq.result()
         assert seen == [True] and len(response.tokens) == 6
-        assert store.tree.match_prefix(stem).length == len(stem)  # stored before answered
+        assert store.inspect().state.tree.match_prefix(stem).length == len(stem)  # stored before answered
         assert response.stats.store_s > 0
 
         # A request opened while a store is pending matches what it stores.
         streamed.clear()
         longer = stem + [7] * CHUNK
-        first = engine.start(Request(longer, [5], 4))
+        first = engine.add_request(Request(longer, [5], 4))
+        engine.step()                            # its prefill: its store is pending
         threading.Timer(0.3, streamed.set).start()
         second = engine.serve(Request(longer + [8] * CHUNK, [5], 2))
         assert second.stats.matched_tokens == len(longer)
-        while not first.done:
-            engine.step([first])
-        engine.finish(first)
+        while not first.finished:
+            engine.step()
+        assert len(first.result().tokens) == 4
 
 
 def test_a_failed_store_leaves_the_request_answered(tiny_runtimes, tmp_path):
@@ -369,9 +373,9 @@ def test_a_failed_store_leaves_the_request_answered(tiny_runtimes, tmp_path):
         other = stem[:CHUNK] + [9] * (3 * CHUNK)
         got = engine.serve(Request(other, [5, 6], 4))
         assert len(got.tokens) == 4
-        assert store.tree.match_prefix(other).length == CHUNK        # not stored
+        assert store.inspect().state.tree.match_prefix(other).length == CHUNK        # not stored
         assert engine.serve(Request(stem, [5, 6], 4)).tokens == want  # nothing left pinned
-        assert all(n.lock_count == 0 for n in store.tree.nodes.values())
+        assert all(n.lock_count == 0 for n in store.inspect().state.tree.nodes.values())
 
 
 def test_side_by_side_attention_equals_each_context_alone():
@@ -380,8 +384,8 @@ def test_side_by_side_attention_equals_each_context_alone():
     the others go on from the same memory."""
     import torch.nn.functional as F
 
-    from impress_flexgen.batch_runner import SideBySide
-    from impress_flexgen.sequence import LayerKV, Sequence
+    from impress_flexgen.engine.attention import SideBySide
+    from impress_flexgen.engine.sequence import LayerKV, Sequence
 
     g = torch.Generator().manual_seed(3)
     n_head, n_kv, d, layers = 4, 2, 8, 2
@@ -394,7 +398,7 @@ def test_side_by_side_attention_equals_each_context_alone():
             mask[:, 0] = True
             kv.append(LayerKV(torch.randn(n_kv, m, d, generator=g),
                               torch.randn(n_kv, m, d, generator=g), mask, 5, n_head // n_kv))
-        return Sequence(None, None, None, [], [], None, 0, kv=kv)
+        return Sequence(None, kv=kv)
 
     def alone(kv, q, k, v):
         keys = torch.cat([kv.k[:, :kv.n], k[:, None]], dim=1)
@@ -435,12 +439,12 @@ def test_a_pass_reads_a_shared_nodes_probe_keys_once(tiny_runtimes, tmp_path):
         stem, _ = prompts()
         engine.serve(Request(stem, [5], 1))
         reqs = [Request(stem, [7 + i, 9, 11], 3) for i in range(3)]
-        before = store.metrics.probe_bytes_read
+        before = store.inspect().state.metrics.probe_bytes_read
         alone = [engine.serve(r) for r in reqs]
-        per_request = (store.metrics.probe_bytes_read - before) / len(reqs)
+        per_request = (store.inspect().state.metrics.probe_bytes_read - before) / len(reqs)
         assert per_request > 0
-        before = store.metrics.probe_bytes_read
-        together = serve_all(engine, reqs, SchedulerConfig(max_batch_size=3))
-        assert store.metrics.probe_bytes_read - before == per_request
+        before = store.inspect().state.metrics.probe_bytes_read
+        together = engine.serve_all(reqs, SchedulerConfig(max_batch_size=3))
+        assert store.inspect().state.metrics.probe_bytes_read - before == per_request
         assert [r.tokens for r in together] == [r.tokens for r in alone]
         assert all(r.stats.matched_tokens == len(stem) for r in together)

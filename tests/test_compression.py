@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from impress_flexgen import compat, quant
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, SchedulerConfig, TierSizes, assemble, open_store
 from impress_flexgen.models.base import compressed_new
 from impress_flexgen.quant import Groups
 from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
-from impress_flexgen.scheduler import SchedulerConfig, serve_all
-from impress_flexgen.sequence import CompressedKV, LayerKV
+from impress_flexgen.engine.sequence import CompressedKV, LayerKV
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids
 
@@ -215,9 +214,9 @@ def _serve(rt, store_dir, requests, batch=False):
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy, TierSizes(64 << 10, 256 << 10))
+        engine = assemble(rt, policy, store, TierSizes(64 << 10, 256 << 10)).engine
         if batch:
-            return serve_all(engine, requests, SchedulerConfig(max_batch_size=4))
+            return engine.serve_all(requests, SchedulerConfig(max_batch_size=4))
         return [engine.serve(r, query_logits=True) for r in requests]
     finally:
         store.close()

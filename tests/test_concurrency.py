@@ -16,11 +16,12 @@ import torch
 
 from experiments.crash_test import (C, SHAPE, check_node, expected_bits, files_on_disk,
                                     kv_from_bits, orphans, store_config, tensor_bits)
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.store import PrefixStore, StoreFull, StoreWriteFailed
-from impress_flexgen.tiers import ChunkCache, TierConfig
+from impress_flexgen.tiers import ChunkCache, ChunkLoad, TierConfig
 from policies import ServingConfig, make_policy
+from tests.helpers.kv import load_chunks
 
 CHUNK_BYTES = SHAPE.n_kv_heads * C * SHAPE.head_dim * 2
 KINDS = {"k": 0, "v": 1}
@@ -95,8 +96,8 @@ class StoreLoad:
                     entry = store.entry(node, layer)
                     ids = entry.physical_chunks_of(np.arange(used)).tolist()
                     ratios = rng.random(len(ids)).tolist()
-                    chunks, _ = store.load_kv_chunks(entry, {"k": ids, "v": ids}, node,
-                                                     {"k": ratios, "v": ratios})
+                    chunks, _ = load_chunks(store, entry, {"k": ids, "v": ids}, node,
+                                            {"k": ratios, "v": ratios})
                     self.count(checked=2 * len(ids),
                                mismatches=chunk_mismatches(entry, want, chunks, ids))
                     # Random importance: every reorder finds a new layout to write.
@@ -127,12 +128,12 @@ class StoreLoad:
         rng = random.Random(self.seed)
         try:
             while not self.done.is_set():
-                with self.store.lock:
-                    nodes = list(self.store.tree.nodes.values())
+                with self.store.inspect().state.lock:
+                    nodes = list(self.store.inspect().state.tree.nodes.values())
                 if rng.random() < 0.2:
                     self.store.reorder_now()
                 elif nodes:
-                    self.store.reorder_node(rng.choice(nodes))
+                    self.store.inspect().reorderer.reorder_node(rng.choice(nodes))
         except Exception as exc:  # noqa: BLE001 - reported by the test
             with self.lock:
                 self.errors.append(f"reorderer: {type(exc).__name__}: {exc}")
@@ -143,7 +144,7 @@ class StoreLoad:
 def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction):
     prefixes = overlapping_prefixes(11, 24)
     probe = PrefixStore(tmp_path / "size", SHAPE, store_config(fmt))
-    per_chunk = SHAPE.n_layers * probe.state.layout(C).file_bytes
+    per_chunk = SHAPE.n_layers * probe.inspect().state.layout(C).file_bytes
     probe.close()
     # Room for about 24 chunks of the ~100 the prefixes hold: evictions all along.
     cfg = store_config(fmt, disk_capacity_bytes=24 * per_chunk, reorder_interval=9,
@@ -160,9 +161,9 @@ def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction
             t.join()
         load.done.set()
         reorderer.join()
-        m = store.metrics
+        m = store.inspect().state.metrics
         tiers = cache.metrics
-        with store.state.reorder_lock:      # no background reorder writing a file right now
+        with store.inspect().state.reorder_lock:      # no background reorder writing a file right now
             # Nothing holds a node any more: every retired or uncommitted file is gone.
             left = orphans(store)
     finally:
@@ -175,8 +176,8 @@ def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction
     assert tiers["gpu"]["hits"] > 0 and tiers["cpu"]["hits"] > 0, tiers
 
     with PrefixStore(tmp_path / "s", SHAPE, store_config(fmt)) as again:
-        assert len(again.tree) > 0
-        wrong = {n.id: check_node(again, n) for n in again.tree.nodes.values()}
+        assert len(again.inspect().state.tree) > 0
+        wrong = {n.id: check_node(again, n) for n in again.inspect().state.tree.nodes.values()}
         assert {nid: why for nid, why in wrong.items() if why} == {}
         assert orphans(again) == []
     names, tmps = files_on_disk(tmp_path / "s")
@@ -199,8 +200,8 @@ def test_a_matched_prefix_stays_stored_when_another_insert_splits_it(tmp_path):
         b = store.match_prefix(q)
         store.insert(q, b.length, kv_from_bits(expected_bits(q), b.length))
         store.release(b)
-        assert store.metrics.splits == 1
-        while store.evict_leaf() is not None:     # q's own node only
+        assert store.inspect().state.metrics.splits == 1
+        while store.inspect().removal.evict_leaf() is not None:     # q's own node only
             pass
         try:
             path = store.insert(longer, a.length, kv_from_bits(expected_bits(longer), a.length))
@@ -208,7 +209,7 @@ def test_a_matched_prefix_stays_stored_when_another_insert_splits_it(tmp_path):
             store.release(a)
         assert sum(n.n_tokens for n in path) == len(longer)
         assert all(check_node(store, n) is None for n in path)
-        assert store.evict_leaf() is not None     # released: evictable again
+        assert store.inspect().removal.evict_leaf() is not None     # released: evictable again
 
 
 @pytest.mark.timeout(60)
@@ -228,16 +229,16 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
         (n,) = store.insert(p, 0, kv_from_bits(expected_bits(p)))
         a = store.match_prefix(p)
         entry = store.entry(n, 1)
-        pending = store.submit(entry, {"k": ids, "v": ids}, n)
+        pending = store.tiers.submit(ChunkLoad(entry, {"k": ids, "v": ids}, node=n))
 
         b = store.match_prefix(q)
         assert b.length == 2 * C
         store.insert(q, b.length, kv_from_bits(expected_bits(q), b.length))
         store.release(b)
-        assert not n.live and store.metrics.splits == 1
-        seen_ids = {n.id} | set(store.tree.nodes)
+        assert not n.live and store.inspect().state.metrics.splits == 1
+        seen_ids = {n.id} | set(store.inspect().state.tree.nodes)
 
-        chunks, served = store.wait(pending)
+        chunks, served = store.tiers.wait(pending)
         # The old file is still there for A (it holds N): the bytes are P's.
         assert chunk_mismatches(entry, node_bits(p, n), chunks, ids) == 0, "old file misread"
         assert served["disk_chunks"] == 8
@@ -245,9 +246,9 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
             "a read finishing after the split re-admitted the split node's chunks"
         store.release(a)
 
-        while store.evict_leaf() is not None:
+        while store.inspect().removal.evict_leaf() is not None:
             pass
-        assert len(store.tree) == 0
+        assert len(store.inspect().state.tree) == 0
         path = store.insert(r, 0, kv_from_bits(expected_bits(r)))
         assert not {m.id for m in path} & seen_ids, "a node id was handed out again"
         (node,) = path
@@ -256,7 +257,7 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
             match = store.match_prefix(r)
             try:
                 e = store.entry(node, 1)
-                got, served = store.load_kv_chunks(e, {"k": ids, "v": ids}, node)
+                got, served = load_chunks(store, e, {"k": ids, "v": ids}, node)
             finally:
                 store.release(match)
             wrong = chunk_mismatches(e, want, got, ids)
@@ -340,10 +341,10 @@ class Prepared:
         self.template = root / "warm"
         store, pol = engine_store(self.template, rt, policy)
         try:
-            engine = Engine(rt, store, pol, ENGINE_TIERS)
+            engine = assemble(rt, pol, store, ENGINE_TIERS).engine
             for i, base in enumerate(self.bases):
                 engine.serve(Request(base, [11 + i, 12 + i, 13 + i], 1))
-            assert store.metrics.splits == 2
+            assert store.inspect().state.metrics.splits == 2
         finally:
             store.close()
         self.refs = [self.serve_alone(rt, i) for i in range(len(self.requests))]
@@ -357,7 +358,7 @@ class Prepared:
     def serve_alone(self, rt: Runtime, i: int):
         store, pol = engine_store(self.copy(f"ref-{i}"), rt, self.policy)
         try:
-            return Engine(rt, store, pol, ENGINE_TIERS).serve(self.requests[i])
+            return assemble(rt, pol, store, ENGINE_TIERS).engine.serve(self.requests[i])
         finally:
             store.close()
 
@@ -428,13 +429,12 @@ def test_two_engines_on_one_store_answer_as_one_request_alone(runtime_pairs, pre
     rt1, rt2 = runtime_pairs[model]
     store, pol1 = engine_store(prep.copy("together"), rt1, policy)
     try:
-        first = Engine(rt1, store, pol1, ENGINE_TIERS)
-        second = Engine(rt2, store, make_policy(policy, serving_config(policy)),
-                        cache=store.tiers.cache)
+        first = assemble(rt1, pol1, store, ENGINE_TIERS).engine
+        second = assemble(rt2, make_policy(policy, serving_config(policy)), store, cache=store.tiers.cache).engine
         assert second.store.tiers.cache is first.store.tiers.cache
         order = np.random.default_rng(7).permutation(len(prep.requests)).tolist()
         got, errors = serve_from_threads([first, second], prep.requests, order, 3)
-        m = store.metrics
+        m = store.inspect().state.metrics
         tiers = store.tiers.cache.metrics
     finally:
         store.close()
@@ -455,7 +455,7 @@ def test_one_engine_from_several_threads_answers_as_serial_calls(runtime_pairs, 
     for how in ("serial", "threads"):
         store, pol = engine_store(prep.copy(how), rt, "impress")
         try:
-            engine = Engine(rt, store, pol, ENGINE_TIERS)
+            engine = assemble(rt, pol, store, ENGINE_TIERS).engine
             if how == "serial":
                 got = {i: engine.serve(prep.requests[i]) for i in order}
             else:

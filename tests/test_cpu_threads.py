@@ -103,17 +103,19 @@ def test_on_passing_thread_returns_and_raises_on_the_caller():
 def test_service_starts_its_engine_off_the_callers_thread(tmp_path, monkeypatch):
     """Calibrating at start-up computes; it runs on a thread that ends, so the caller's
     thread keeps no CPU team beside the worker's."""
-    from impress_flexgen import serving
+    import importlib
+
+    building = importlib.import_module("impress_flexgen.engine.assemble")
     from impress_flexgen.service import Service, ServiceConfig
 
     seen = []
-    start = serving.start_engine
+    start = building.start_engine
 
     def spy(engine):
         seen.append(threading.current_thread() is threading.main_thread())
         return start(engine)
 
-    monkeypatch.setattr(serving, "start_engine", spy)
+    monkeypatch.setattr(building, "start_engine", spy)
     with Service(ServiceConfig(model="llama-tiny", store_root=tmp_path)):
         pass
     assert seen == [False]

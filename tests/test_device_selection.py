@@ -17,7 +17,7 @@ import torch
 
 from impress_flexgen.engine import Request, RequestStats, StoreSpec, TierSizes, assemble
 from impress_flexgen.engine.family import probe_setup
-from impress_flexgen.engine.readahead import ReadAhead
+from impress_flexgen.engine.layer_io import ReadAhead
 from impress_flexgen.tiers import ChunkCache, TierConfig
 from policies import LayerContext, ServingConfig, make_policy
 from policies.base import ProbeKeys
@@ -50,14 +50,8 @@ def _spy(policy, mode: FakeDevice | None, seen: list) -> None:
 
     def planning(ctx):
         got = {"q": (ctx.q.device, ctx.q.dtype), "k_new": (ctx.k_new.device, ctx.k_new.dtype)}
-        read = ctx.read_probe
-
-        def read_probe():
-            probe = read()
-            got["probe"] = (probe.keys.device, probe.keys.dtype)
-            return probe
-
-        ctx.read_probe = read_probe
+        if ctx.probe is not None:
+            got["probe"] = (ctx.probe.keys.device, ctx.probe.keys.dtype)
         before = mode.to_host if mode is not None else 0
         plan = plan_layer(ctx)
         got["to_host"] = mode.to_host - before if mode is not None else None
@@ -264,11 +258,13 @@ def _plan(rt, store, policy, where, layers=(0, 1), heads=None, n_pad=0, front=0)
                     q = torch.randn(4, 5, 16, generator=gen)
                     k = torch.randn(2, 5, 16, generator=gen)
                     loader = ahead.loader(layer)
-                    ctx = LayerContext(layer, q.to(device), k.to(device), loader.segments, cfg,
-                                       probe_heads, probe_kv, loader.read_probe, loader.load,
-                                       n_pad=n_pad, front=front)
+                    q, k = q.to(device), k.to(device)
                     before = mode.to_host if mode else 0
                     moved = mode.to_device if mode else 0
+                    probe = loader.read_probe() if ahead.probes(layer) else None
+                    ctx = LayerContext(layer, q, k, loader.segments, cfg,
+                                       probe_heads, probe_kv, probe, loader.load,
+                                       n_pad=n_pad, front=front)
                     out.append(policy.plan_layer(ctx))
                     copies.append((mode.to_host - before, mode.to_device - moved)
                                   if mode else None)
@@ -331,7 +327,7 @@ def test_probe_scores_on_the_device_equal_the_hosts(where):
 
     def ctx_on(device):
         return LayerContext(0, q.to(device), k_new.to(device), [], cfg, (0, 1, 3), (0, 1),
-                            lambda: ProbeKeys(keys.to(device), column_of), None, n_pad=5)
+                            ProbeKeys(keys.to(device), column_of), None, n_pad=5)
 
     want = probe_scores(ctx_on(torch.device("cpu")))
     with _guard(where):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.runtime import Runtime, RuntimeConfig
 from impress_flexgen.texts import PROMPTS
 from policies import POLICY_NAMES, ServingConfig, make_policy
@@ -26,7 +26,7 @@ def _serve_twice(rt, policy_name, prefix, query, store_dir, new_tokens=5, retent
     policy = make_policy(policy_name, cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy, TierSizes(64 << 10, 256 << 10))
+        engine = assemble(rt, policy, store, TierSizes(64 << 10, 256 << 10)).engine
         cold = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         warm = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         return cold, warm, store
@@ -62,11 +62,11 @@ def test_partial_match_splits_and_positions_follow(tiny_runtimes, tmp_path):
     policy = make_policy("full", cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy)
+        engine = assemble(rt, policy, store).engine
         engine.serve(Request(a, query, 3))
         resp = engine.serve(Request(b, query, 3))
         assert resp.stats.matched_tokens == 32
-        assert store.metrics.splits == 1
+        assert store.inspect().state.metrics.splits == 1
         assert resp.tokens == rt.generate([b + query], 3).new_ids[0]
         again = engine.serve(Request(b, query, 3))
         assert again.stats.matched_tokens == 80 and again.tokens == resp.tokens
@@ -96,7 +96,7 @@ def test_selection_reads_less_and_feeds_the_store(tiny_runtimes, tmp_path):
     cfg = ServingConfig(retention=0.25, threshold="none")
     reopened = open_store(tmp_path / "c", rt, cfg, make_policy("impress", cfg), chunk_size=16)
     try:
-        stats = list(reopened.stats.values())
+        stats = list(reopened.inspect().state.stats.values())
         assert all(s.importance.sum() > 0 for s in stats)
         assert all(0 < (s.ratio > 0).sum() < len(s.ratio) for s in stats)
     finally:
@@ -121,9 +121,9 @@ def _serve_after_corrupting(rt, tmp_path, caplog, policy_name, cfg, prefix, quer
     policy = make_policy(policy_name, cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy)
+        engine = assemble(rt, policy, store).engine
         engine.serve(Request(prefix, query, 3))
-        (node,) = store.tree.nodes.values()
+        (node,) = store.inspect().state.tree.nodes.values()
         entry = store.entry(node, layer)
         with open(entry.path, "r+b") as f:
             f.seek(offset(entry))
@@ -170,14 +170,14 @@ def test_reuse_after_reopen_in_a_new_process(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import numpy as np
         from impress_flexgen.runtime import Runtime, RuntimeConfig
-        from impress_flexgen.engine import Engine, Request, open_store
+        from impress_flexgen.engine import Request, assemble, open_store
         from policies import ServingConfig, make_policy
         ids = np.random.default_rng(14).integers(10, 40000, 120).tolist()
         with Runtime(RuntimeConfig(model="llama-tiny")) as rt:
             cfg = ServingConfig(retention=0.5, threshold="none")
             policy = make_policy("impress", cfg)
             store = open_store({str(tmp_path / 's')!r}, rt, cfg, policy, chunk_size=16)
-            r = Engine(rt, store, policy).serve(Request(ids[:100], ids[100:], 4))
+            r = assemble(rt, policy, store).engine.serve(Request(ids[:100], ids[100:], 4))
             store.close()
         print(json.dumps({{"tokens": r.tokens, "matched": r.stats.matched_tokens}}))
     """)
@@ -213,7 +213,7 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
     pol = make_policy(policy, cfg)
     store = open_store(tmp_path / "s", rt, cfg, pol, chunk_size=16)
     try:
-        engine = Engine(rt, store, pol, TierSizes())
+        engine = assemble(rt, pol, store, TierSizes()).engine
         padded = [0] * n_pad + real
         for _ in range(2):      # cold, then warm (pads and text both from the store)
             resp = engine.serve(Request(padded, query, 4, n_pad=n_pad, keep_logits=True))
@@ -228,7 +228,7 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
     finally:
         store.close()
     with pytest.raises(Exception, match="n_pad"):
-        Engine(rt, None, make_policy("recomp", cfg)).serve(Request([0, 0], [1], 1, n_pad=2))
+        assemble(rt, make_policy("recomp", cfg), None).engine.serve(Request([0, 0], [1], 1, n_pad=2))
 
 
 def test_corrupt_prefetched_probe_is_recomputed_not_served(tiny_runtimes, tmp_path, caplog):
@@ -257,17 +257,17 @@ def test_prefetching_the_last_selection_changes_reads_not_results(tiny_runtimes,
         assert policy.prefetch_last_selection == prefetch
         store = open_store(tmp_path / str(prefetch), rt, cfg, policy, chunk_size=16)
         try:
-            engine = Engine(rt, store, policy, TierSizes())
+            engine = assemble(rt, policy, store, TierSizes()).engine
             engine.serve(Request(prefix, query, 1))    # computes and stores the prefix
             engine.serve(Request(prefix, query, 1))    # the first selection: no guess yet
             late = []           # K/V disk reads submitted after the policy chose
-            real = store.submit
+            real = store.tiers.submit
 
             def submit(*a, **k):
                 load = real(*a, **k)
-                late.append(load.read is not None)
+                late.append(load.disk is not None)
                 return load
-            store.submit = submit
+            store.tiers.submit = submit
             second = engine.serve(Request(prefix, query, 4))
             runs[prefetch] = (second, late)
         finally:

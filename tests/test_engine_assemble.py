@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from impress_flexgen.engine import (Engine, Request, RequestStats, StoreSpec, TierSizes,
-                                    assemble, open_store)
+from impress_flexgen.engine import (Request, RequestStats, StoreSpec, TierSizes, assemble,
+                                    open_store)
 from impress_flexgen.errors import UserError
 from policies import ServingConfig, make_policy
 
@@ -24,11 +24,11 @@ def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
         got = [stack.engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
     finally:
         stack.close()
-    assert stack.store.closed
+    assert stack.store.inspect().state.closed
     policy = make_policy("impress", cfg)
     store = open_store(tmp_path / "b", rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy, TierSizes(0, 1 << 20))
+        engine = assemble(rt, policy, store, TierSizes(0, 1 << 20)).engine
         want = [engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
     finally:
         store.close()
@@ -67,7 +67,7 @@ def test_the_store_is_closed_when_the_engine_cannot_be_built(tiny_runtimes, tmp_
     monkeypatch.setattr(assemble_module, "Engine", failing_engine)
     with pytest.raises(UserError, match="no engine"):
         assemble(tiny_runtimes["opt-tiny"], make_policy("full"), StoreSpec(tmp_path / "s"))
-    assert opened and opened[0].closed
+    assert opened and opened[0].inspect().state.closed
 
 
 def test_the_timer_adds_the_block_less_the_excluded_stats(monkeypatch):
@@ -99,10 +99,10 @@ def test_engines_on_one_runtime_take_turns_through_its_model(tiny_runtimes):
     import threading
 
     rt = tiny_runtimes["opt-tiny"]
-    first = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
-    second = Engine(rt, None, make_policy("recomp", ServingConfig()), TierSizes())
+    first = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
+    second = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
     done = threading.Event()
-    with second._serving:                                  # a request under way there
+    with second.lock:                                      # a request under way there
         thread = threading.Thread(target=lambda: (first.measure_prefill(8), done.set()))
         thread.start()
         assert not done.wait(0.3)                          # the recalibration waits its turn

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -38,24 +38,24 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
     assert full.exact_reads and not impress.exact_reads
     store = open_store(tmp_path / "s", rt, cfg, impress, chunk_size=16)
     try:
-        sparse = Engine(rt, store, impress, TierSizes())
-        dense = Engine(rt, store, full, TierSizes(), cache=store.tiers.cache)
+        sparse = assemble(rt, impress, store, TierSizes()).engine
+        dense = assemble(rt, full, store, TierSizes(), cache=store.tiers.cache).engine
         assert sparse.serve(Request(p, query, 1)).stats.exact          # nothing to select
         r2 = sparse.serve(Request(p + q, query, 1))
         assert r2.stats.matched_tokens == 64 and not r2.stats.exact
-        assert [n.exact for n in store.tree.path_to(
-            store.tree.match_prefix(p + q).nodes[-1])] == [True, False]
+        assert [n.exact for n in store.inspect().state.tree.path_to(
+            store.inspect().state.tree.match_prefix(p + q).nodes[-1])] == [True, False]
         r3 = dense.serve(Request(p + q, query, 3, keep_logits=True))
         assert r3.stats.matched_tokens == 64 and r3.stats.exact       # stopped before it
-        assert store.metrics.superseded == 1                          # and replaced it
-        assert all(n.exact for n in store.tree.nodes.values())
+        assert store.inspect().state.metrics.superseded == 1                          # and replaced it
+        assert all(n.exact for n in store.inspect().state.tree.nodes.values())
         assert dense.serve(Request(p + q, query, 1)).stats.matched_tokens == 128
     finally:
         store.close()
     # The same requests on a store that never saw approximate KV.
     clean = open_store(tmp_path / "clean", rt, cfg, full, chunk_size=16)
     try:
-        engine = Engine(rt, clean, full, TierSizes())
+        engine = assemble(rt, full, clean, TierSizes()).engine
         engine.serve(Request(p, query, 1))
         ref = engine.serve(Request(p + q, query, 3, keep_logits=True))
     finally:
@@ -71,8 +71,8 @@ def test_only_exact_kv_is_published_to_the_shared_pool(tiny_runtimes, tmp_path):
     impress = make_policy("impress", cfg)
     store = open_store(tmp_path / "s", rt, cfg, impress, chunk_size=16)
     try:
-        engine = Engine(rt, store, impress, TierSizes())
-        engine.shared = pool = _Pool()
+        engine = assemble(rt, impress, store, TierSizes()).engine
+        engine.shared = engine.prefix.shared = pool = _Pool()
         assert engine.serve(Request(p, query, 1, namespace="tenant-1")).stats.exact
         assert pool.published == [(0, "tenant-1")] and pool.opened == ["tenant-1"]
         r = engine.serve(Request(p + q, query, 1, namespace="tenant-1"))
@@ -89,7 +89,7 @@ def test_namespaces_never_share_stored_prefixes(tiny_runtimes, tmp_path):
     full = make_policy("full", cfg)
     store = open_store(tmp_path / "s", rt, cfg, full, chunk_size=16)
     try:
-        engine = Engine(rt, store, full, TierSizes())
+        engine = assemble(rt, full, store, TierSizes()).engine
         first = engine.serve(Request(p, query, 2, namespace="alice"))
         assert engine.serve(Request(p, query, 2, namespace="alice")).stats.matched_tokens == 64
         other = engine.serve(Request(p, query, 2, namespace="bob"))

@@ -1,7 +1,8 @@
 """Requests at the edges: a one-token prompt (no prefix), streaming across a retry."""
 from __future__ import annotations
 
-from impress_flexgen.engine import Engine, Request, TierSizes, _Relay, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine.sequence import Relay
 from policies import ServingConfig, make_policy
 
 
@@ -13,7 +14,7 @@ def test_one_token_prompt_equals_plain_generation(tiny_runtimes, tmp_path):
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
         seen = []
-        resp = Engine(rt, store, policy, TierSizes()).serve(
+        resp = assemble(rt, policy, store, TierSizes()).engine.serve(
             Request([], [123], 4, on_token=lambda t: seen.append(t) is None))
     finally:
         store.close()
@@ -22,7 +23,7 @@ def test_one_token_prompt_equals_plain_generation(tiny_runtimes, tmp_path):
 
 def test_relay_passes_each_token_once_over_retries():
     got = []
-    relay = _Relay(lambda t: got.append(t) is None)
+    relay = Relay(lambda t: got.append(t) is None)
     relay.restart()
     for t in (5, 6):                 # an attempt that failed after two tokens
         assert relay(t)
@@ -45,7 +46,7 @@ def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
     policy = make_policy("full", cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
-        engine = Engine(rt, store, policy, TierSizes(0, 1 << 20, verify_hits=True))
+        engine = assemble(rt, policy, store, TierSizes(0, 1 << 20, verify_hits=True)).engine
         engine.serve(Request(prefix, query, 3))
         clean = engine.serve(Request(prefix, query, 3, keep_logits=True))  # disk, now tier
         cache = store.tiers.cache

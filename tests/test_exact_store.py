@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, model_shape, open_store
-from impress_flexgen.engine.batch_prefill import start_together
+from impress_flexgen.engine import Request, TierSizes, assemble, model_shape, open_store
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
 from disk_layout.format import kv_format_of
@@ -35,7 +34,7 @@ def _engine(rt, path, policy="full", plan="load", kv_format=None):
     pol = make_policy(policy, cfg)
     fmt = {} if kv_format is None else {"kv_format": kv_format}
     store = open_store(path, rt, cfg, pol, chunk_size=16, **fmt) if pol.reuse else None
-    return Engine(rt, store, pol, TierSizes()), store
+    return assemble(rt, pol, store, TierSizes()).engine, store
 
 
 def _request(prefix, query=None):
@@ -96,14 +95,11 @@ def test_a_batch_gets_the_same_answers_from_stored_and_recomputed_prefixes(tiny_
     engine, store = _engine(rt, tmp_path / "s")
 
     def batch():
-        seqs = start_together(engine, [(_request(_ids(6, 230)), True),
-                                       (_request(_ids(7, 180)), True)])
-        out = []
-        for seq in seqs:
-            while not seq.done:
-                engine.step([seq])
-            out.append(engine.finish(seq))
-        return out
+        seqs = [engine.add_request(_request(_ids(6, 230)), query_logits=True),
+                engine.add_request(_request(_ids(7, 180)), query_logits=True)]
+        while not all(seq.finished for seq in seqs):
+            engine.step()
+        return [seq.result() for seq in seqs]
 
     try:
         cold, warm = batch(), batch()
@@ -123,7 +119,7 @@ def test_a_smaller_kv_format_is_inexact_and_never_served_to_an_exact_reader(tiny
         first = full.serve(_request(prefix), query_logits=True)
         again = full.serve(_request(prefix), query_logits=True)
         assert again.stats.matched_tokens == 0 and _same(first, again)   # recomputed
-        assert not any(n.exact for n in store.tree.nodes.values())
+        assert not any(n.exact for n in store.inspect().state.tree.nodes.values())
     finally:
         store.close()
     impress, store = _engine(rt, tmp_path / "impress16", policy="impress", kv_format=LOSSY)
@@ -181,12 +177,12 @@ def test_stored_chunks_keep_the_format_and_read_back_bit_exact(tmp_path):
         shape = ModelShape("m", 1, 2, 16, "a" * 64, kv_format=fmt)
         with PrefixStore(tmp_path / fmt, shape, StoreConfig(direct_io=False)) as store:
             store.insert(tokens, 0, [(kv[0], kv[1])])
-            entry = store.tree.match_prefix(tokens).nodes[0].layers[0]
+            entry = store.inspect().state.tree.match_prefix(tokens).nodes[0].layers[0]
             assert entry.layout.chunk_bytes == 2 * 16 * 16 * dtype.itemsize
-            k, v = store.read_layer(entry)
+            k, v = store.inspect().reads.read_layer(entry)
             assert k.dtype == dtype and torch.equal(k, kv[0].to(dtype))
             assert torch.equal(v, kv[1].to(dtype))
-            assert store.kv_bytes() == 2 * 32 * 2 * 16 * dtype.itemsize
+            assert store.inspect().accounting.kv_bytes() == 2 * 32 * 2 * 16 * dtype.itemsize
 
 
 def test_smollm2_stored_and_recomputed_answers_have_identical_logprobs(tmp_path):
@@ -213,7 +209,7 @@ def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
     """Rows computed by tiles: the same bits whichever rows were already there, for a
     product at real widths and for attention."""
     from impress_flexgen.engine.attention import attend
-    from impress_flexgen.engine.canonical import TILE, attend_lane, plan_rows
+    from impress_flexgen.engine.attention import TILE, attend_lane, plan_rows
 
     gen = torch.Generator().manual_seed(0)
     n, kv, heads, d = 300, 3, 9, 64

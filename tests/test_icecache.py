@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Engine, Request
+from impress_flexgen.engine import Request, assemble
 from policies import DecodeConfig, ServingConfig, make_policy
 from policies.decode_pages import PagedDecode, split_budget
 from policies.icecache import SemanticPages
@@ -102,7 +102,7 @@ def test_new_tokens_are_inserted_into_the_index():
 def _serve(rt, name, prefix, query, new_tokens, budget=256, forced=None, **decode):
     cfg = ServingConfig(retention=1.0, decode_budget=budget)
     policy = make_policy(name, cfg, decode=DecodeConfig(dense_layers=0, **decode))
-    return Engine(rt, None, policy).serve(Request(prefix, query, new_tokens, forced=forced,
+    return assemble(rt, policy, None).engine.serve(Request(prefix, query, new_tokens, forced=forced,
                                                   keep_logits=True))
 
 
@@ -212,7 +212,7 @@ def test_semantic_store_layout_puts_similar_keys_in_one_chunk(tmp_path):
         middle = entry.mapping[c:-c].reshape(-1, c)
         assert all(len(set(cluster[row].tolist())) == 1 for row in middle)
         assert np.array_equal(entry.mapping[:c], np.arange(c))            # sink in place
-        got_k, got_v = store.read_layer(entry, node)                    # logical order kept
+        got_k, got_v = store.inspect().reads.read_layer(entry, node)                    # logical order kept
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         store.record_selection(entry, np.ones(n, np.float32), None)
         assert store.reorder_now() == 0                                 # laid out once

@@ -100,7 +100,7 @@ def test_probe_scores_with_the_last_queries(last):
                    torch.randn(P, s, d, generator=g))
     from policies.base import ProbeKeys
 
-    ctx = types.SimpleNamespace(read_probe=lambda: ProbeKeys(k.clone()), probe_kv_heads=(0, 1, 2),
+    ctx = types.SimpleNamespace(probe=ProbeKeys(k.clone()), probe_kv_heads=(0, 1, 2),
                                 probe_heads=(0, 1, 2), group=1, q=q, k_new=k_new, n_pad=2,
                                 config=ServingConfig(probe_queries=last))
     want = torch.zeros(P, n)
@@ -185,7 +185,7 @@ def test_probe_scores_over_stored_order_match_logical_scoring(heads, stride):
     physical_of = np.argsort(mapping)
     probe = ProbeKeys(stored, physical_of[:used])               # logical -> column
     logical = stored[:, torch.from_numpy(physical_of[:used])]
-    ctx = types.SimpleNamespace(read_probe=lambda: probe, probe_kv_heads=(0, 1),
+    ctx = types.SimpleNamespace(probe=probe, probe_kv_heads=(0, 1),
                                 probe_heads=heads, group=H // KV, q=q, k_new=k_new, n_pad=3,
                                 config=ServingConfig(probe_stride=stride))
     rows = range((s - 1) % stride, s, stride)

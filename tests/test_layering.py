@@ -1,6 +1,8 @@
 """The package's import graph: no import circle, no module below the entry points importing
-them, and no file over 450 lines. Every import counts, those inside functions too: a lazy
-import that closes a circle is still a circle a reader has to untangle."""
+them, the scheduler deciding without the runner or the engine, no file over 450 lines, and
+no reach into another object's private members. Every import counts, those inside
+functions too: a lazy import that closes a circle is still a circle a reader has to
+untangle."""
 from __future__ import annotations
 
 import ast
@@ -132,6 +134,55 @@ def test_no_file_in_the_package_is_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long.keys() - STILL_LONG, long
+
+
+def test_the_scheduler_imports_neither_the_runner_nor_the_engine():
+    """The scheduler decides; it never runs the model nor calls back into the engine."""
+    edges = import_graph()[f"{PACKAGE}.engine.scheduler"]
+    assert f"{PACKAGE}.engine.runner" not in edges and f"{PACKAGE}.engine.engine" not in edges, \
+        edges
+    assert f"{PACKAGE}.engine.sequence" in edges      # the graph was read
+
+
+# Private members of another object reached on purpose, with why.
+PRIVATE_ALLOWED = {
+    # The standard library's only hook that runs before non-daemon threads are joined.
+    ("impress_flexgen/compat.py", "threading._register_atexit"),
+    # torch's only way to ask how many tensors share a storage (a workspace buffer is free
+    # when nothing else holds it).
+    ("impress_flexgen/quant.py", "torch._C._storage_Use_Count"),
+    ("impress_flexgen/quant.py", "torch._C"),
+    ("impress_flexgen/quant.py", "t.untyped_storage()._cdata"),
+}
+
+
+def private_reaches(root: Path = ROOT, package: str = PACKAGE) -> list[tuple[str, str, int]]:
+    """(file, expression, line) of every `x._name` in the package where x is not self or
+    cls: a reach into another object's private member."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        rel = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or \
+                    node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append((rel, ast.unparse(node), node.lineno))
+    return found
+
+
+def test_no_reach_into_another_objects_private_members():
+    wrong = [f"{f}:{line}: {expr}" for f, expr, line in private_reaches()
+             if (f, expr) not in PRIVATE_ALLOWED]
+    assert not wrong, wrong
+
+
+def test_the_private_check_finds_a_reach(tmp_path):
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "a.py").write_text("class A:\n    def f(self, b):\n        return self._x, b._y\n")
+    assert private_reaches(tmp_path) == [(f"{PACKAGE}/a.py", "b._y", 3)]
 
 
 def test_the_checker_finds_a_circle_through_a_lazy_import(tmp_path):

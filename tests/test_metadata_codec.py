@@ -192,9 +192,9 @@ def _reordered_store(sdir):
         for layer in range(SHAPE.n_layers):
             store.record_selection(store.entry(node, layer),
                                    rng.random(len(tokens)).astype(np.float32), None)
-        assert store.reorder_node(node) == SHAPE.n_layers
+        assert store.inspect().reorderer.reorder_node(node) == SHAPE.n_layers
         orders = [store.entry(node, layer).mapping.copy() for layer in range(SHAPE.n_layers)]
-        importance = store.state.stats[(node.id, 0)].importance.copy()
+        importance = store.inspect().state.stats[(node.id, 0)].importance.copy()
     return tokens, kv, orders, importance
 
 
@@ -204,15 +204,15 @@ def test_schema_3_store_opens_migrated_and_serves_the_same_kv(tmp_path):
     with PrefixStore(tmp_path / "s", SHAPE, _config()) as store:
         match = store.match_prefix(tokens)
         try:
-            assert match.length == len(tokens) and store.metrics.invalid_rows == 0
+            assert match.length == len(tokens) and store.inspect().state.metrics.invalid_rows == 0
             node = match.segments[0][0]
             for layer in range(SHAPE.n_layers):
                 entry = store.entry(node, layer)
                 assert np.array_equal(entry.mapping, orders[layer])
-                k, v = store.read_layer(entry, node)
+                k, v = store.inspect().reads.read_layer(entry, node)
                 assert torch.equal(k.view(torch.int16), kv[layer][0].view(torch.int16))
                 assert torch.equal(v.view(torch.int16), kv[layer][1].view(torch.int16))
-            got = store.state.stats[(node.id, 0)].importance
+            got = store.inspect().state.stats[(node.id, 0)].importance
             assert np.allclose(got, importance, rtol=0.03, atol=1e-3)
         finally:
             store.release(match)
@@ -232,7 +232,8 @@ def test_schema_3_row_damaged_before_migration_stays_invalid(tmp_path):
     db.execute("UPDATE layers SET mapping = ? WHERE layer = 1", (bytes(blob),))
     db.close()
     with PrefixStore(tmp_path / "s", SHAPE, _config()) as store:
-        assert store.metrics.invalid_rows == 1 and store.match_prefix(tokens).length == 0
+        assert store.inspect().state.metrics.invalid_rows == 1
+        assert store.match_prefix(tokens).length == 0
 
 
 def test_schema_3_int32_mapping_is_migrated(tmp_path):
@@ -284,7 +285,7 @@ def test_reordered_layer_metadata_is_under_half_a_percent_of_smollm2_kv(tmp_path
             store.record_selection(store.entry(node, layer), scores, scores > 0.5,
                                    list(range(10)))
         assert store.reorder_now() == SMOLLM2.n_layers
-        db = store.state.meta.db
+        db = store.inspect().state.meta.db
         fields = db.execute(
             "SELECT SUM(length(file) + length(mapping) + length(crcs) + length(importance) "
             "+ length(bitmaps) + length(access) + length(ratio) + 40) FROM layers").fetchone()[0]
@@ -318,7 +319,7 @@ def test_reorder_pass_leaves_no_journal_on_disk(tmp_path):
         assert wal.stat().st_size > 0                  # the insert's transaction
         assert store.reorder_now() == SHAPE.n_layers
         assert wal.stat().st_size == 0
-        assert store.state.meta.db.execute("PRAGMA journal_size_limit").fetchone()[0] == \
+        assert store.inspect().state.meta.db.execute("PRAGMA journal_size_limit").fetchone()[0] == \
             md.JOURNAL_SIZE_LIMIT
 
 

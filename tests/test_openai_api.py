@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from impress_flexgen import defaults
-from impress_flexgen.engine import Engine, Request
+from impress_flexgen.engine import Request, assemble
 from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.serve import background_server, parse_args, server_options
 from impress_flexgen.serve_guard import ServerOptions
@@ -49,7 +49,7 @@ def test_echo_logprobs_max_tokens_0_equal_the_reference_log_softmax(server, runt
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert done.usage.completion_tokens == 0 and done.usage.prompt_tokens == len(ids)
     # The reference: the whole prompt computed by an engine with no store.
-    engine = Engine(runtime, None, make_policy("recomp"))
+    engine = assemble(runtime, make_policy("recomp"), None).engine
     ref = engine.serve(Request([], ids, 1), query_logits=True).query_logits
     want = torch.log_softmax(ref.double(), -1)[torch.arange(len(ids) - 1), ids[1:]]
     got = torch.tensor(lp.token_logprobs[1:], dtype=torch.float64)
@@ -193,7 +193,7 @@ def test_retry_after_is_the_time_the_queue_takes_to_drain_at_the_measured_rate(s
     now = [1000.0]
     measured = Drain(clock=lambda: now[0])
     release, stepping = threading.Event(), threading.Event()
-    step = service.scheduler.step
+    step = service.engine.step
 
     def held_step():            # the worker holds its batch: nothing leaves meanwhile
         stepping.set()
@@ -201,7 +201,7 @@ def test_retry_after_is_the_time_the_queue_takes_to_drain_at_the_measured_rate(s
         return step()
 
     drain, service.drain = service.drain, measured
-    service.scheduler.step = held_step
+    service.engine.step = held_step
     tickets = []
     try:
         tickets.append(service.submit(service.frontend.build(prompt="Hi", max_tokens=1)))
@@ -220,7 +220,7 @@ def test_retry_after_is_the_time_the_queue_takes_to_drain_at_the_measured_rate(s
         now[0] = 1100.0                     # busy 91 s, nothing left: at most 1 per 30 s
         stalled = measured.retry_after_s(8)
     finally:
-        service.scheduler.step = step
+        service.engine.step = step
         release.set()
         for t in tickets:
             t.future.result(60)
@@ -269,7 +269,7 @@ def test_lm_eval_local_completions_request_shapes(server, runtime):
     assert len(choice["logprobs"]["token_logprobs"]) == len(context + continuation) + 1
     greedy = all(lp == max(top.values()) for lp, top in zip(lps, tops))
     ids = context + continuation
-    engine = Engine(runtime, None, make_policy("recomp"))
+    engine = assemble(runtime, make_policy("recomp"), None).engine
     ref = torch.log_softmax(engine.serve(Request([], ids, 1), query_logits=True)
                             .query_logits.double(), -1)
     rows = torch.arange(len(context) - 1, len(ids) - 1)

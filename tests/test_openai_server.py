@@ -378,7 +378,7 @@ def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, 
     with open_store(store_dir, runtime, run_cfg.serving(),
                     make_policy(run_cfg.policy, run_cfg.serving()),
                     **run_cfg.store_options()) as store:
-        assert len(store.tree) > 0
+        assert len(store.inspect().state.tree) > 0
         tok = runtime.tokenizer
         for p in prompts:
             match = store.match_prefix(tok.encode(p))
@@ -386,7 +386,7 @@ def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, 
                 assert match.length >= 96          # at least the shared system prompt
                 for node in match.nodes:
                     for layer in range(shape.n_layers):
-                        k, v = store.read_layer(store.entry(node, layer), node)
+                        k, v = store.inspect().reads.read_layer(store.entry(node, layer), node)
                         assert torch.isfinite(k.float()).all() and torch.isfinite(v.float()).all()
             finally:
                 store.release(match)

@@ -17,7 +17,7 @@ MODULES = ("experiments.gpu_repro", "experiments.planner", "experiments.gpu_chec
            "impress_flexgen.engine", "impress_flexgen.runtime", "impress_flexgen.tokenizer",
            "impress_flexgen.models", "impress_flexgen.workload_runner",
            "impress_flexgen.serving", "impress_flexgen.store", "impress_flexgen.tiers",
-           "impress_flexgen.planner", "impress_flexgen.scheduler", "impress_flexgen.service",
+           "impress_flexgen.planner", "impress_flexgen.engine.scheduler", "impress_flexgen.service",
            "impress_flexgen.run", "impress_flexgen.serve", "impress_flexgen.verify")
 
 BLOCKER = textwrap.dedent(f"""

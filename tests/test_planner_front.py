@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.planner import Plan
 from policies import ServingConfig, make_policy
 
@@ -26,7 +26,7 @@ def reordered(tiny_runtimes, tmp_path, monkeypatch):
     policy = make_policy("impress", cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=T)
     try:
-        engine = Engine(rt, store, policy, TierSizes(0, 0))
+        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
         prefix = _ids(1, PREFIX)
         engine.serve(Request(prefix, _ids(2, 5), 1))                # stores the prefix
         for seed in (3, 4, 5):

@@ -31,8 +31,9 @@ class FakeEngine:
         self.rt = types.SimpleNamespace(spec=types.SimpleNamespace(name="fake-model"))
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.math = types.SimpleNamespace(n_layers=L)
-        self.store = types.SimpleNamespace(reader=types.SimpleNamespace(limit=None),
-                                           config=types.SimpleNamespace(chunk_size=T))
+        self.store = types.SimpleNamespace(
+            tiers=types.SimpleNamespace(disk=types.SimpleNamespace(read_limit=None)),
+            config=types.SimpleNamespace(chunk_size=T))
         self.measured = 0
 
     def measure_prefill(self, n, ctx=0):

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -29,7 +29,7 @@ def _engine(rt, store_dir, policy_name="full", retention=1.0, plan="load"):
     cfg = ServingConfig(retention=retention, plan=plan)
     policy = make_policy(policy_name, cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    return Engine(rt, store, policy, TierSizes(0, 0)), store
+    return assemble(rt, policy, store, TierSizes(0, 0)).engine, store
 
 
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])
@@ -43,8 +43,8 @@ def test_recompute_and_both_match_generation(tiny_runtimes, tmp_path, model, pol
         engine.serve(Request(prefix, query, 4))            # stores 128 tokens
         results = {}
         for mode, split in (("load", 0), ("recompute", 8), ("both", 3), ("both", 7)):
-            engine.config = dataclasses.replace(engine.config, plan=mode)
-            engine.planner = _Fixed(mode, split)
+            engine.config = engine.policy.config = dataclasses.replace(engine.config, plan=mode)
+            engine.planner = engine.prefix.planner = _Fixed(mode, split)
             results[(mode, split)] = engine.serve(Request(prefix, query, 4, keep_logits=True))
         for (mode, split), resp in results.items():
             assert resp.stats.matched_tokens == 128
@@ -78,8 +78,8 @@ def test_both_first_token_equals_recompute_with_kl_near_zero(tiny_runtimes, tmp_
         engine.serve(Request(prefix, query, 1))
         out = {}
         for mode, split in (("recompute", 12), ("both", 6)):
-            engine.config = dataclasses.replace(engine.config, plan=mode)
-            engine.planner = _Fixed(mode, split)
+            engine.config = engine.policy.config = dataclasses.replace(engine.config, plan=mode)
+            engine.planner = engine.prefix.planner = _Fixed(mode, split)
             out[mode] = engine.serve(Request(prefix, query, 1), query_logits=True)
         assert out["both"].tokens[0] == out["recompute"].tokens[0]
         p = torch.log_softmax(out["recompute"].query_logits.double(), -1)
@@ -101,7 +101,7 @@ def test_auto_plan_predicts_and_avoids_a_slow_disk(tiny_runtimes, tmp_path, monk
     # recomputing them takes milliseconds.
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16, read_limit_mb_s=0.02)
     try:
-        engine = Engine(rt, store, policy, TierSizes(0, 0))
+        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
         assert engine.planner is not None
         engine.planner.cost()
         assert list((tmp_path / "cache" / "costs").glob("*.json"))   # calibration cached
@@ -150,10 +150,10 @@ def test_experiment_targets_and_live_read_limit(tiny_runtimes, tmp_path):
     rt = tiny_runtimes["llama-tiny"]
     engine, store = _engine(rt, tmp_path / "s")
     try:
-        assert store.reader.limit is None
+        assert store.inspect().state.reader.limit is None
         set_read_limit(store, 2.5)
-        assert store.reader.limit.rate == 2.5e6 and store.config.read_limit_mb_s == 2.5
+        assert store.inspect().state.reader.limit.rate == 2.5e6 and store.config.read_limit_mb_s == 2.5
         set_read_limit(store, None)
-        assert store.reader.limit is None and store.config.read_limit_mb_s is None
+        assert store.inspect().state.reader.limit is None and store.config.read_limit_mb_s is None
     finally:
         store.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from impress_flexgen.engine import Engine, Request, RequestStats, TierSizes, open_store
+from impress_flexgen.engine import Request, RequestStats, TierSizes, assemble, open_store
 from impress_flexgen.planner import split_compute
 from impress_flexgen.prefix_plan import _Learned
 from impress_flexgen.tiers.chain import DISK
@@ -28,7 +28,7 @@ def planned(tiny_runtimes, tmp_path, monkeypatch):
         store = open_store(tmp_path / f"s{len(stores)}", rt, cfg, policy, chunk_size=T,
                            read_limit_mb_s=read_limit)
         stores.append(store)
-        engine = Engine(rt, store, policy, TierSizes(0, 0))
+        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
         prefix = _ids(1, 128)
         engine.serve(Request(prefix, _ids(2, 5), 1))            # stores 128 tokens
         return engine, store, prefix

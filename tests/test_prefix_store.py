@@ -16,7 +16,8 @@ import torch
 from disk_layout.format import INT4_GROUP, decode_probe, encode_probe
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull
-from tests.helpers.kv import seeded_kv
+from impress_flexgen.tiers import ChunkLoad
+from tests.helpers.kv import load_chunks, seeded_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ModelShape("test", n_layers=2, n_kv_heads=2, head_dim=16)
@@ -46,7 +47,7 @@ def stored_kv(store, tokens):
         for layer in range(SHAPE.n_layers):
             ks, vs = [], []
             for node, used in match.segments:
-                k, v = store.read_layer(store.entry(node, layer), node)
+                k, v = store.inspect().reads.read_layer(store.entry(node, layer), node)
                 ks.append(k[:, :used])
                 vs.append(v[:, :used])
             layers.append((torch.cat(ks, 1), torch.cat(vs, 1)))
@@ -102,14 +103,14 @@ def test_radix_split_and_sharing(tmp_path):
         store.release(m)
         nodes = store.insert(b, m.length, [(k[:, 2 * C:], v[:, 2 * C:]) for k, v in kv_b])
         assert [n.n_tokens for n in nodes] == [2 * C, 3 * C]
-        assert store.metrics.splits == 1 and len(store.tree) == 3
+        assert store.inspect().state.metrics.splits == 1 and len(store.inspect().state.tree) == 3
         for tokens, kv in ((a, kv_a), (b, kv_b)):
             length, got = stored_kv(store, tokens)
             assert length == len(tokens)
             for (k, v), (k2, v2) in zip(kv, got):
                 assert torch.equal(bits(k), bits(k2)) and torch.equal(bits(v), bits(v2))
         # Retired files of the split node are gone; nothing unreferenced stays on disk.
-        referenced = {Path(e.path).name for n in store.tree.nodes.values() for e in n.layers}
+        referenced = {Path(e.path).name for n in store.inspect().state.tree.nodes.values() for e in n.layers}
         assert {f.name for f in (tmp_path / "s" / "data").iterdir()} == referenced
 
 
@@ -125,7 +126,7 @@ def test_store_survives_restart_in_a_new_process(tmp_path):
         from impress_flexgen.store import PrefixStore
         tokens = np.arange({5 * C})
         with PrefixStore({str(tmp_path / 's')!r}, SHAPE, config()) as store:
-            assert store.reopened
+            assert store.inspect().reopened
             length, got = stored_kv(store, tokens)
         kv = make_kv(len(tokens), seed=5)
         ok = length == len(tokens) and all(torch.equal(bits(k), bits(k2)) and
@@ -150,7 +151,7 @@ def test_reorder_keeps_logical_kv_and_concurrent_readers_see_no_change(tmp_path)
             while not stop.is_set():
                 for layer in range(SHAPE.n_layers):
                     entry = store.entry(node, layer)
-                    k, v = store.read_layer(entry, node)
+                    k, v = store.inspect().reads.read_layer(entry, node)
                     if not (torch.equal(bits(k), bits(kv[layer][0])) and
                             torch.equal(bits(v), bits(kv[layer][1]))):
                         errors.append(entry.version)
@@ -168,7 +169,7 @@ def test_reorder_keeps_logical_kv_and_concurrent_readers_see_no_change(tmp_path)
         t.join()
         store.release(match)
         assert not errors and reads[0] > 0
-        assert store.metrics.reorders == 6 * SHAPE.n_layers
+        assert store.inspect().state.metrics.reorders == 6 * SHAPE.n_layers
         entry = store.entry(node, 0)
         assert entry.version == 7 and entry.mapping is not None
         # Sink chunk and last chunk stay in place.
@@ -189,7 +190,7 @@ def test_importance_reorder_concentrates_important_tokens(tmp_path):
         important[np.random.default_rng(1).choice(np.arange(C, 7 * C), 2 * C, replace=False)] = True
         before = store.entry(node, 0).physical_chunks_of(np.flatnonzero(important))
         store.record_selection(store.entry(node, 0), important.astype(np.float32), important)
-        store.reorder_node(node, [0])
+        store.inspect().reorderer.reorder_node(node, [0])
         after = store.entry(node, 0).physical_chunks_of(np.flatnonzero(important))
         assert len(after) == 2 < len(before)
 
@@ -201,7 +202,7 @@ def test_uncommitted_files_are_removed_on_open(tmp_path):
     (data / "deadbeef.kv").write_bytes(b"x" * 100)
     (data / "cafe.kv.tmp").write_bytes(b"y")
     with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
-        assert len(store.tree) == 1
+        assert len(store.inspect().state.tree) == 1
     assert sorted(f.suffix for f in data.iterdir()) == [".kv", ".kv"]
 
 
@@ -222,12 +223,12 @@ def test_corruption_is_detected_never_served(tmp_path, damage):
             os.truncate(path, entry.layout.chunk_offset("v", 1))
         else:
             path.unlink()
-        store.reader.forget(str(path))
+        store.inspect().state.reader.forget(str(path))
         with pytest.raises(CorruptNode) as err:
-            store.read_layer(entry, node)
+            store.inspect().reads.read_layer(entry, node)
         assert err.value.node is node
         store.quarantine(node, str(err.value))
-        assert len(store.tree) == 0 and store.match_prefix(tokens).length == 0
+        assert len(store.inspect().state.tree) == 0 and store.match_prefix(tokens).length == 0
 
 
 def test_probe_copy_int4_is_close_and_small():
@@ -287,7 +288,7 @@ def test_capacity_evicts_unlocked_leaves(tmp_path):
     one_node = None
     with PrefixStore(tmp_path / "probe", SHAPE, config()) as store:
         store.insert(np.arange(2 * C), 0, make_kv(2 * C, 1))
-        one_node = store.disk_bytes()
+        one_node = store.inspect().accounting.disk_bytes()
     cap = int(2.5 * one_node)
     with PrefixStore(tmp_path / "s", SHAPE, config(disk_capacity_bytes=cap)) as store:
         prefixes = [i * 10000 + np.arange(2 * C) for i in range(4)]
@@ -295,8 +296,8 @@ def test_capacity_evicts_unlocked_leaves(tmp_path):
         held = store.match_prefix(prefixes[0])  # in use: must survive
         for i in (1, 2, 3):
             store.insert(prefixes[i], 0, make_kv(2 * C, i))
-            assert store.disk_bytes() <= cap
-        assert store.metrics.evictions == 2
+            assert store.inspect().accounting.disk_bytes() <= cap
+        assert store.inspect().state.metrics.evictions == 2
         assert store.match_prefix(prefixes[0]).length == 2 * C
         assert store.match_prefix(prefixes[3]).length == 2 * C
         store.release(held)
@@ -330,7 +331,7 @@ def test_metadata_overhead_is_measured(tmp_path):
         for layer in range(4):
             store.record_selection(store.entry(node, layer), np.ones(n, np.float32),
                                    np.ones(n, bool), range(4))
-        o = store.overheads()
+        o = store.inspect().accounting.overheads()
     assert o["kv_bytes"] == 2 * 4 * n * 32 * 128 * 2
     assert 0 < o["metadata_fraction"] < 0.005
     assert o["probe_fraction"] < 3 / 32 / 2  # int4 copy of 3 of 32 heads' keys
@@ -356,7 +357,9 @@ def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
             layer, kind = int(rng.integers(2)), "kv"[int(rng.integers(2))]
             ids = sorted(rng.choice(8, size=int(rng.integers(1, 5)), replace=False).tolist())
             entry = store.entry(node, layer)
-            chunks, by_tier = store.load_chunks(entry, kind, ids, node, ratios=rng.random(len(ids)))
+            chunks, by_tier = load_chunks(store, entry, {kind: ids}, node,
+                                          {kind: rng.random(len(ids))})
+            chunks = chunks[kind]
             for tier in served:
                 served[tier] += by_tier[tier]
             want = kv[layer][0 if kind == "k" else 1]
@@ -368,7 +371,7 @@ def test_disk_cpu_gpu_round_trips_are_bit_exact(tmp_path, policy, exclusive):
         assert m["gpu"]["used_bytes"] <= 3 * chunk and m["cpu"]["used_bytes"] <= 4 * chunk
         # A reorder makes the old version's cached chunks unreachable: they are dropped.
         store.record_selection(store.entry(node, 0), rng.random(len(tokens)).astype(np.float32), None)
-        store.reorder_node(node, [0])
+        store.inspect().reorderer.reorder_node(node, [0])
         assert not any(k[1] == 0 and k[2] == 1 for tier in ("gpu", "cpu")
                        for k in cache.resident_keys(tier))
 
@@ -390,11 +393,11 @@ def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
         for _ in range(30):
             ids = rng.choice(20, size=int(rng.integers(1, 21)), replace=False).tolist()
             for kind, full in (("k", kv[0][0]), ("v", kv[0][1])):
-                chunks, nbytes = store.reads.read_chunks_counted(entry, kind, ids, node)
+                chunks, nbytes = store.inspect().reads.read_chunks_counted(entry, kind, ids, node)
                 for i, t in zip(ids, chunks):
                     assert torch.equal(t, full[:, i * chunk_size:(i + 1) * chunk_size])
                 assert nbytes % 4096 == 0
-        _, run_bytes = store.reads.read_chunks_counted(entry, "k", list(range(20)), node)
+        _, run_bytes = store.inspect().reads.read_chunks_counted(entry, "k", list(range(20)), node)
         assert run_bytes < 20 * entry.layout.chunk_bytes + 2 * 4096
         # A corrupt packed chunk is detected and names its chunk.
         with open(entry.path, "r+b") as f:
@@ -403,7 +406,7 @@ def test_packed_reads_any_selection_bit_exact(tmp_path, chunk_size):
             f.seek(entry.layout.chunk_offset("v", 7) + 5)
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(CorruptNode, match="V chunk 7"):
-            store.reads.read_chunks_counted(entry, "v", [6, 7, 8], node)
+            store.inspect().reads.read_chunks_counted(entry, "v", [6, 7, 8], node)
 
 
 @pytest.mark.parametrize("hot", [0.25, 1.0])
@@ -414,7 +417,7 @@ def test_reorder_packs_hot_tokens_and_keeps_the_rest_in_order(tmp_path, hot):
         (node,) = store.insert(tokens, 0, make_kv(n, seed=4))
         importance = np.random.default_rng(0).random(n).astype(np.float32)
         store.record_selection(store.entry(node, 0), importance, None)
-        store.reorder_node(node, [0])
+        store.inspect().reorderer.reorder_node(node, [0])
         mapping = store.entry(node, 0).mapping
         middle = mapping[C:n - C]                      # sink and last chunk stay in place
         assert np.array_equal(mapping[:C], np.arange(C))
@@ -437,9 +440,9 @@ def test_selection_on_the_head_of_a_node_is_recorded(tmp_path):
         entry = store.entry(node, 0)
         scores = np.ones(2 * C, np.float32)
         store.record_selection(entry, scores, np.ones(2 * C, bool))
-        imp = store.stats[(node.id, 0)].importance
+        imp = store.inspect().state.stats[(node.id, 0)].importance
         assert imp[:2 * C].sum() == 2 * C and imp[2 * C:].sum() == 0
-        assert list(store.stats[(node.id, 0)].ratio) == [255, 255, 0, 0]
+        assert list(store.inspect().state.stats[(node.id, 0)].ratio) == [255, 255, 0, 0]
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -447,9 +450,9 @@ def test_reading_no_chunks_reads_nothing(tmp_path, packed):
     with PrefixStore(tmp_path / "s", SHAPE, config(packed=packed)) as store:
         (node,) = store.insert(np.arange(2 * C), 0, make_kv(2 * C, seed=8))
         entry = store.entry(node, 0)
-        assert store.read_chunks(entry, "k", [], node) == []
-        chunks, served = store.load_chunks(entry, "v", [], node)
-        assert chunks == [] and served["disk"] == 0
+        assert store.inspect().reads.read_chunks(entry, "k", [], node) == []
+        chunks, served = load_chunks(store, entry, {"v": []}, node)
+        assert chunks["v"] == [] and served["disk"] == 0
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -465,15 +468,15 @@ def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
         entry = store.entry(node, 0)
         assert entry.layout.packed == packed
         submits = []
-        real_submit = store.reader.submit
-        store.reader.submit = lambda *a, **k: submits.append(a[0]) or real_submit(*a, **k)
+        real_submit = store.inspect().state.reader.submit
+        store.inspect().state.reader.submit = lambda *a, **k: submits.append(a[0]) or real_submit(*a, **k)
         ids_k, ids_v = [5, 1, 2], [0, 2, 7]
-        got, served = store.load_kv_chunks(entry, {"k": ids_k, "v": ids_v}, node)
+        got, served = load_chunks(store, entry, {"k": ids_k, "v": ids_v}, node)
         assert len(submits) == 1 and served["disk_chunks"] == 6
         for kind, ids, want in (("k", ids_k, kv[0][0]), ("v", ids_v, kv[0][1])):
             for i, t in zip(ids, got[kind]):
                 assert torch.equal(bits(t), bits(want[:, i * C:(i + 1) * C]))
-        store.reader.submit = real_submit
+        store.inspect().state.reader.submit = real_submit
         # The two halves: start submits, finish waits; a bad V chunk raises at finish.
         v_off = entry.layout.chunk_offset("v", 0) + 7 * entry.layout.chunk_stride
         with open(entry.path, "r+b") as f:
@@ -481,9 +484,9 @@ def test_k_and_v_load_in_one_round_trip(tmp_path, packed):
             byte = f.read(1)
             f.seek(v_off + 10)
             f.write(bytes([byte[0] ^ 0xFF]))
-        pending = store.submit(entry, {"k": [0], "v": [7]}, node)
+        pending = store.tiers.submit(ChunkLoad(entry, {"k": [0], "v": [7]}, node=node))
         with pytest.raises(CorruptNode, match="V chunk 7"):
-            store.wait(pending)
+            store.tiers.wait(pending)
 
 
 def test_last_selection_survives_a_reorder_and_stale_entries_leave_it_alone(tmp_path):
@@ -502,7 +505,7 @@ def test_last_selection_survives_a_reorder_and_stale_entries_leave_it_alone(tmp_
         importance[5 * C:6 * C] = 1.0
         store.record_selection(entry, importance, selected)
         assert store.last_selected_chunks(entry).tolist() == [5]
-        store.reorder_node(node, [0])
+        store.inspect().reorderer.reorder_node(node, [0])
         new = store.entry(node, 0)
         assert new is not entry and new.mapping is not None
         assert store.last_selected_chunks(entry).tolist() == []     # stale layout: no guess
@@ -528,16 +531,16 @@ def test_prefetched_chunks_serve_a_load_as_a_disk_read_would(tmp_path):
         with PrefixStore(tmp_path / f"s{ahead}", SHAPE, config(), memory=cache) as store:
             (node,) = store.insert(np.arange(n), 0, kv)
             entry = store.entry(node, 0)
-            store.load_chunks(entry, "k", [1, 2], node)            # now in the CPU tier
+            load_chunks(store, entry, {"k": [1, 2]}, node)            # now in the CPU tier
             early = None
             if ahead:
-                read = store.start_prefetch(entry, {"k": [1, 2, 3, 4], "v": [4]}, node)
-                assert read.ids("k") == [3, 4]     # tier-resident ones skipped
-                early, nbytes = store.finish_prefetch(read)
+                read = store.tiers.prefetch(ChunkLoad(entry, {"k": [1, 2, 3, 4], "v": [4]}, node=node))
+                assert read.wanted["k"] == [3, 4]     # tier-resident ones skipped
+                early, nbytes = store.tiers.finish_prefetch(read)
                 assert nbytes > 0
-            load = store.submit(entry, {"k": [2, 3, 5], "v": [4, 6]}, node,
-                                         ahead=early)
-            got, served = store.wait(load)
+            load = store.tiers.submit(ChunkLoad(entry, {"k": [2, 3, 5], "v": [4, 6]}, node=node),
+                                      ahead=early)
+            got, served = store.tiers.wait(load)
             for kind, ids in (("k", [2, 3, 5]), ("v", [4, 6])):
                 want = kv[0][0 if kind == "k" else 1]
                 for i, t in zip(ids, got[kind]):

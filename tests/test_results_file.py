@@ -47,20 +47,21 @@ def _leftovers(directory):
 
 def _fail_serving_after(monkeypatch, n):
     """The engine fails every request after the first n (as a bad request would)."""
-    from impress_flexgen.engine import Engine
+    from impress_flexgen.engine.prefix import Prefixes
 
-    # Every request is opened (matched and planned) by _open, alone or in a shared pass.
-    opened, seen = Engine._open, []
+    # Every request's prefix is opened (matched and planned), alone or in a shared pass.
+    opened, seen = Prefixes.open, []
 
-    def failing(self, request, *args, **kwargs):
+    def failing(self, seq, *args, **kwargs):
+        request = seq.request
         prompt = [*request.prefix, *request.query]
         if prompt not in seen:
             seen.append(prompt)
         if seen.index(prompt) >= n:
             raise UserError("the engine refused this request")
-        return opened(self, request, *args, **kwargs)
+        return opened(self, seq, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_open", failing)
+    monkeypatch.setattr(Prefixes, "open", failing)
 
 
 def test_a_failed_rerun_leaves_the_earlier_output_untouched(tmp_path, capsys, monkeypatch):

@@ -15,11 +15,10 @@ import torch
 
 from experiments.abuse_scoring import measure_scoring_stall
 from impress_flexgen.config import ServiceConfig
-from impress_flexgen.engine import Engine, Request
+from impress_flexgen.engine import Request, SchedulerConfig, assemble
 from impress_flexgen.errors import ServiceError
 from impress_flexgen.frontend import MAX_SCORED_ENTRIES, Job
 from impress_flexgen.sampling import SamplingParams
-from impress_flexgen.scheduler import Scheduler, SchedulerConfig, Work, serve_all
 from impress_flexgen.serve import background_server
 from impress_flexgen.service import Service
 from policies import make_policy
@@ -34,21 +33,30 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(runtime):
-    return Engine(runtime, None, make_policy("recomp"))
+    return assemble(runtime, make_policy("recomp"), None).engine
 
 
-def test_a_prompt_scored_in_pieces_equals_one_whole_pass(engine):
+def _pieces_of(runtime, tokens: int):
+    """An engine scoring prompts in pieces of `tokens`."""
+    return assemble(runtime, make_policy("recomp"), None,
+                    scheduling=SchedulerConfig(score_piece_tokens=tokens)).engine
+
+
+def test_a_prompt_scored_in_pieces_equals_one_whole_pass(runtime):
+    engine = _pieces_of(runtime, 64)
     ids = _ids(150, 1)
     ref = engine.serve(Request([], ids, 1), query_logits=True).query_logits
     lp = torch.log_softmax(ref.double(), -1)
-    scored = engine.open_scoring([Request([], ids, 3, prompt_logprobs=4),
-                                  Request([], ids, 3, prompt_logprobs=4,
-                                          sampling=SamplingParams(1.0, seed=5))], 64)
+    one = engine.add_request(Request([], ids, 3, prompt_logprobs=4),
+                             choices=[Request([], ids, 3, prompt_logprobs=4,
+                                              sampling=SamplingParams(1.0, seed=5))])
+    other, = one.choices
     pieces = 0
-    while not scored.advance():
+    while one.prompt_scores is None:           # a piece a step
+        engine.step()
         pieces += 1
-        assert scored.done == 64 * pieces
-    one, other = scored.sequences()
+        assert one.scoring.done == min(64 * pieces, len(ids))
+    assert pieces == 3
     s = one.prompt_scores
     assert s is other.prompt_scores and len(s) == len(ids) - 1 == 149
     assert s.tokens.tolist() == ids[1:]
@@ -57,27 +65,35 @@ def test_a_prompt_scored_in_pieces_equals_one_whole_pass(engine):
     top = lp[:-1].topk(4)
     assert float((s.top_logprobs.double() - top.values).abs().max()) < 1e-4
     assert (s.top_ids == top.indices).float().mean() > 0.99      # ties may swap
-    assert one.tokens == [int(ref[-1].argmax())]                  # greedy from the last row
+    assert one.tokens[0] == int(ref[-1].argmax())                 # greedy from the last row
     assert one.kv[0].k.data_ptr() != other.kv[0].k.data_ptr()    # contexts of their own
-    while not (one.done and other.done):
-        engine.step([q for q in (one, other) if not q.done])
+    while not (one.finished and other.finished):
+        engine.step()
     alone = engine.serve(Request([], ids, 3))
-    assert engine.finish(one).tokens == alone.tokens
-    assert len(engine.finish(other).tokens) == 3
+    assert one.result().tokens == alone.tokens
+    assert len(other.result().tokens) == 3
 
 
-def test_a_piece_paused_between_layers_goes_on_unchanged(engine):
+def test_a_piece_paused_between_layers_goes_on_unchanged(runtime):
     """A piece stops after any layer for another request's pass and goes on from there:
     the scores are those of a prefill never stopped."""
+    engine = _pieces_of(runtime, 64)
     ids = _ids(100, 11)
-    straight = engine.open_scoring([Request([], ids, 1, prompt_logprobs=3)], 64).run()[0]
-    paused = engine.open_scoring([Request([], ids, 1, prompt_logprobs=3)], 64)
-    stops = 0
-    while not paused.advance(pause=lambda: True):
-        stops += 1
-        engine.serve(Request([5, 6], [7], 2))        # another request in between
-    assert stops == 2 * engine.math.n_layers + 1      # after each layer of both pieces
-    got = paused.sequences()[0]
+    straight = engine.serve(Request([], ids, 1, prompt_logprobs=3))
+    engine.scheduler.arrived = lambda: True          # a request always waiting
+    got = engine.add_request(Request([], ids, 1, prompt_logprobs=3))
+    steps, others = 0, []
+    while got.prompt_scores is None:
+        engine.step()
+        steps += 1
+        others.append(engine.add_request(Request([5, 6], [7], 2)))   # prefilled in between
+    # Each piece stops after each of its layers, and goes on once more to finish.
+    assert steps == 2 * (engine.math.n_layers + 1)
+    engine.scheduler.arrived = None
+    while engine.scheduler.busy:
+        engine.step()
+    want = engine.serve(Request([5, 6], [7], 2)).tokens
+    assert all(o.result().tokens == want for o in others)
     assert torch.equal(got.prompt_scores.logprobs, straight.prompt_scores.logprobs)
     assert torch.equal(got.prompt_scores.top_ids, straight.prompt_scores.top_ids)
     assert got.tokens == straight.tokens
@@ -96,15 +112,15 @@ def test_no_step_logits_outlive_their_step(engine, monkeypatch):
 
     monkeypatch.setattr(engine.math, "logits", logits)
     prompts = [(_ids(20, 2), _ids(3, 3)), (_ids(9, 4), _ids(2, 5)), (_ids(30, 6), _ids(1, 7))]
-    plain = serve_all(engine, [Request(p, q, 12) for p, q in prompts])
+    plain = engine.serve_all([Request(p, q, 12) for p, q in prompts])
     gc.collect()
     assert len(made) > 12 and not any(r() is not None for r in made), \
         "a response keeps a step's logits alive"
     assert all(r.step_logits == [] and r.logprobs is None for r in plain)
 
     made.clear()
-    asked = serve_all(engine, [Request(p, q, 12, logprobs=3) for p, q in prompts])
-    kept = serve_all(engine, [Request(p, q, 12, keep_logits=True) for p, q in prompts])
+    asked = engine.serve_all([Request(p, q, 12, logprobs=3) for p, q in prompts])
+    kept = engine.serve_all([Request(p, q, 12, keep_logits=True) for p, q in prompts])
     gc.collect()
     assert not any(r() is not None for r in made)
     for a, k, p in zip(asked, kept, plain):
@@ -116,36 +132,35 @@ def test_no_step_logits_outlive_their_step(engine, monkeypatch):
             assert [t for t, _ in top] == ref.topk(3).indices.tolist()
 
 
-def test_a_request_arriving_while_a_prompt_is_scored_waits_one_layer(engine):
-    sched = Scheduler(engine, SchedulerConfig(score_piece_tokens=32))
+def test_a_request_arriving_while_a_prompt_is_scored_waits_one_layer(runtime):
+    engine = _pieces_of(runtime, 32)
+    sched = engine.scheduler
     arrived = []
     sched.arrived = lambda: bool(arrived)
     ids = _ids(200, 8)
-    answers = {}
+    lead = engine.add_request(
+        Request([], ids, 1, prompt_logprobs=2, sampling=SamplingParams(1.0, seed=0)),
+        choices=[Request([], ids, 1, prompt_logprobs=2, sampling=SamplingParams(1.0, seed=i))
+                 for i in range(1, 4)])
+    scoring = lead.scoring
+    engine.step()
+    assert scoring.done == 32 and sched.room() == 8 - 4
+    seen = []
 
-    def done(name):
-        def on_done(resp, err):
-            assert err is None, err
-            prefill = scoring.scoring
-            answers[name] = (resp, prefill and (prefill.done, prefill.steps is not None))
-        return on_done
+    def short_token(token):
+        seen.append((scoring.done, scoring.paused is not None))
+        return True
 
-    choices = [Work(Request([], ids, 1, prompt_logprobs=2, sampling=SamplingParams(
-        1.0, seed=i)), done(f"choice {i}")) for i in range(4)]
-    scoring = choices[0]
-    scoring.choices = choices[1:]
-    sched.add(scoring)
-    sched.step()
-    assert scoring.scoring.done == 32 and sched.room() == 8 - 4
-    arrived.append(Work(Request([5, 6], [7], 1), done("short")))
-    sched.step()                         # the next piece stops after its first layer
-    assert scoring.scoring.done == 32 and scoring.scoring.steps is not None
-    sched.add(arrived.pop())             # as the service's worker takes it from its queue
-    sched.step()
+    arrived.append(Request([5, 6], [7], 1, on_token=short_token))
+    engine.step()                        # the next piece stops after its first layer
+    assert scoring.done == 32 and scoring.paused is not None
+    short = engine.add_request(arrived.pop())   # as the service's worker takes it
+    engine.step()
     # Answered in that step, while the piece waited between two layers.
-    assert answers["short"][1] == (32, True) and len(answers) == 1
-    sched.drain()
-    scores = [answers[f"choice {i}"][0].prompt_scores for i in range(4)]
+    assert short.finished and seen == [(32, True)] and lead.prompt_scores is None
+    while sched.busy:
+        engine.step()
+    scores = [s.result().prompt_scores for s in (lead, *lead.choices)]
     assert all(s is scores[0] for s in scores) and len(scores[0]) == 199
 
 
@@ -161,22 +176,22 @@ def server(runtime, tmp_path_factory):
 def test_choices_of_a_scored_prompt_share_one_prefill(server, monkeypatch):
     url, service = server
     ids = _ids(150, 9)
-    opened = []
-    real = service.engine.open_scoring
-    monkeypatch.setattr(service.engine, "open_scoring",
-                        lambda reqs, *a: opened.append(len(reqs)) or real(reqs, *a))
+    pieces = []
+    real = service.engine.runner.score_piece
+    monkeypatch.setattr(service.engine.runner, "score_piece",
+                        lambda seq, *a: pieces.append((seq.id, seq.width)) or real(seq, *a))
     body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 2,
             "n": 3, "temperature": 1.0, "seed": 4, "ignore_eos": True}
     r = httpx2.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    assert opened == [3]                    # one prefill for the three choices
+    assert len(set(pieces)) == 1 and pieces[0][1] == 3    # one prefill for the three choices
     choices = r.json()["choices"]
     lps = [c["logprobs"] for c in choices]
     assert all(len(lp["token_logprobs"]) == len(ids) + 2 for lp in lps)
     assert all(lp["token_logprobs"][:len(ids)] == lps[0]["token_logprobs"][:len(ids)]
                for lp in lps)
     assert lps[0]["token_logprobs"][0] is None and len(lps[0]["top_logprobs"][1]) <= 2
-    ref = Engine(service.rt, None, make_policy("recomp")).serve(
+    ref = assemble(service.rt, make_policy("recomp"), None).engine.serve(
         Request([], ids, 1), query_logits=True).query_logits
     want = torch.log_softmax(ref.double(), -1)[torch.arange(len(ids) - 1), ids[1:]]
     got = torch.tensor(lps[0]["token_logprobs"][1:len(ids)], dtype=torch.float64)

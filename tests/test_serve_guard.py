@@ -45,13 +45,13 @@ def test_abuse_harness_quick_passes_every_class(tmp_path):
 
 def test_keys_and_salts_reach_the_engine_as_namespaces(service):
     seen = []
-    start = service.engine.start      # the scheduler's entry: every request is prefilled there
+    start = service.engine.add_request   # the engine's entry: every request is added there
 
     def spy(request, *a, **kw):
         seen.append(request.namespace)
         return start(request, *a, **kw)
 
-    service.engine.start = spy
+    service.engine.add_request = spy
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 1}
     try:
         with background_server(service, options=ServerOptions(api_keys=("k1", "k2"))) as url:
@@ -67,7 +67,7 @@ def test_keys_and_salts_reach_the_engine_as_namespaces(service):
             r = httpx2.post(url + "/v1/completions", json={**body, "cache_salt": ""})
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     finally:
-        service.engine.start = start
+        service.engine.add_request = start
     assert seen == [namespace("k1", None), namespace("k2", None), namespace("k1", "s"),
                     namespace("k1", "s"), ""]
     assert len(set(seen)) == 4 and all(len(n) == 32 for n in seen[:4])

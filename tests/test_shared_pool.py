@@ -14,7 +14,7 @@ import numpy as np
 import redis
 import torch
 
-from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+from impress_flexgen.engine import Request, TierSizes, assemble, open_store
 from impress_flexgen.tiers.remote import chunk_hashes, encode_value, layer_key, marker_key
 from policies import ServingConfig, make_policy
 from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
@@ -28,7 +28,7 @@ QUERY = np.random.default_rng(12).integers(10, 40000, 6).tolist()
 # then dump its tokens, stats and the KV its local store now holds.
 ROLE = textwrap.dedent("""
     import json, sys, torch
-    from impress_flexgen.engine import Engine, Request, TierSizes, open_store
+    from impress_flexgen.engine import Request, TierSizes, assemble, open_store
     from impress_flexgen.runtime import Runtime, RuntimeConfig
     from policies import ServingConfig, make_policy
     store_dir, url, out, off = sys.argv[1:5]
@@ -37,11 +37,12 @@ ROLE = textwrap.dedent("""
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url))
+    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url)).engine
     resp = engine.serve(Request(prefix, query, 4))
     engine.shared.tier.flush(10)
     match = store.match_prefix(prefix)
-    kv = [[torch.cat([store.read_layer(n.layers[layer], n)[i][:, :u] for n, u in match.segments], 1)
+    reads = store.inspect().reads
+    kv = [[torch.cat([reads.read_layer(n.layers[layer], n)[i][:, :u] for n, u in match.segments], 1)
            for i in (0, 1)] for layer in range(len(match.nodes[0].layers))]
     store.release(match)
     torch.save({"tokens": resp.tokens, "stats": resp.stats.as_dict(), "kv": kv}, out)
@@ -80,7 +81,7 @@ def _engine(rt, store_dir, url, secret=None, budget=True):
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    engine = Engine(rt, store, policy, TierSizes(0, 0, remote_url=url, remote_secret=secret))
+    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url, remote_secret=secret)).engine
     if not budget:   # the pool always worth reading: these tests are about what it holds
         engine.shared.recompute_s = lambda n, ctx: 1e9
     return engine, store
@@ -163,7 +164,7 @@ def _fill(rt, tmp_path, url, prefix, query, secret=None):
 def _local_kv(store, prefix):
     match = store.match_prefix(prefix)
     try:
-        return [[torch.cat([store.read_layer(n.layers[layer], n)[i][:, :u]
+        return [[torch.cat([store.inspect().reads.read_layer(n.layers[layer], n)[i][:, :u]
                             for n, u in match.segments], 1) for i in (0, 1)]
                 for layer in range(len(match.nodes[0].layers))]
     finally:
@@ -181,7 +182,7 @@ def _read_back(rt, tmp_path, url, prefix, query, hashes, secret=None):
         assert reader.shared.tier.batch_exists_chunks(hashes) == len(hashes)
         if secret is None and resp.stats.shared_tokens:
             # Unauthenticated KV served the request; none of it became local state.
-            assert len(rstore.tree) == 0 and reader.shared_unstored == 1
+            assert len(rstore.inspect().state.tree) == 0 and reader.prefix.shared_unstored == 1
             return resp, reader.shared.tier.metrics(), reader.shared_fallbacks
         # What came from the pool is the writer's bytes; what was computed again agrees
         # with them to rounding (another prefill's kernels); nothing else was kept.
@@ -258,8 +259,8 @@ def test_a_pool_without_a_secret_is_used_but_never_becomes_local_state(tiny_runt
         resp = reader.serve(Request(prefix, query, 3))
         assert resp.stats.shared_tokens == 96       # the forged values pass their CRC
         assert reader.shared.tier.flush(10)
-        assert len(rstore.tree) == 0, "unauthenticated KV was stored locally"
-        assert reader.shared_unstored == 1 and not reader.shared.keyed
+        assert len(rstore.inspect().state.tree) == 0, "unauthenticated KV was stored locally"
+        assert reader.prefix.shared_unstored == 1 and not reader.shared.keyed
     finally:
         reader.close()
         rstore.close()

@@ -17,8 +17,8 @@ from disk_layout.metadata import layer_crc
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import (CorruptNode, ModelShape, PrefixStore, StoreConfig, StoreFull,
                                    StoreWriteFailed)
-from impress_flexgen.tiers import ChunkCache, TierConfig
-from tests.helpers.kv import token_kv
+from impress_flexgen.tiers import ChunkCache, ChunkLoad, TierConfig
+from tests.helpers.kv import load_chunks, token_kv
 
 SHAPE = ModelShape("trust", n_layers=2, n_kv_heads=2, head_dim=16)
 C = 16
@@ -45,7 +45,7 @@ def stored(store, tokens):
             for node, used in match.segments:
                 entry = store.entry(node, layer)
                 ids = list(range(used // C))
-                chunks, _ = store.load_kv_chunks(entry, {"k": ids, "v": ids}, node)
+                chunks, _ = load_chunks(store, entry, {"k": ids, "v": ids}, node)
                 for kind, out in (("k", ks), ("v", vs)):
                     phys = torch.cat(chunks[kind], 1)
                     logical = torch.empty_like(phys)
@@ -86,7 +86,7 @@ def test_node_ids_are_never_reused_after_eviction_and_reopen(tmp_path):
                 (node,) = store.insert(t, 0, make_kv(t))
                 assert node.id not in seen
                 seen.add(node.id)
-                assert store.evict_leaf() is node      # the highest id goes first
+                assert store.inspect().removal.evict_leaf() is node      # the highest id goes first
     assert len(seen) == 9
 
 
@@ -103,7 +103,7 @@ def test_stale_tier_copies_of_a_split_node_are_refused(tmp_path):
         store.insert(b, 2 * C, make_kv(b, 2 * C))
         assert not node.live
         for entry in old:                              # late loads of the old version
-            store.load_kv_chunks(entry, {"k": [0, 1], "v": [0, 1]}, node)
+            load_chunks(store, entry, {"k": [0, 1], "v": [0, 1]}, node)
         store.release(match)
         for tier in ("gpu", "cpu"):
             assert not [k for k in store.tiers.cache.resident_keys(tier) if k[0] == node.id]
@@ -118,12 +118,12 @@ def test_late_read_after_split_then_new_prefix_serves_its_own_kv(tmp_path):
         match = store.match_prefix(a)
         node = match.nodes[0]
         entry = store.entry(node, 0)
-        load = store.submit(entry, {"k": [0, 1, 2, 3], "v": [0, 1, 2, 3]}, node)
+        load = store.tiers.submit(ChunkLoad(entry, {"k": [0, 1, 2, 3], "v": [0, 1, 2, 3]}, node=node))
         b = np.concatenate([a[:C], tokens_of(4, 3 * C)])
         store.insert(b, C, make_kv(b, C))               # splits node while A reads it
-        store.wait(load)                    # A's late admits
+        store.tiers.wait(load)                    # A's late admits
         store.release(match)
-        while store.evict_leaf() is not None:
+        while store.inspect().removal.evict_leaf() is not None:
             pass
         c = tokens_of(5, 4 * C)
         (fresh,) = store.insert(c, 0, make_kv(c))
@@ -160,9 +160,9 @@ def test_file_names_from_metadata_never_escape_the_store(tmp_path, name):
     _set_file(sdir / "store.sqlite", nid, 1, name)
     with PrefixStore(sdir, SHAPE, config()) as store:
         assert store.match_prefix(t).length == 0       # not served
-        assert store.metrics.invalid_rows == 1
+        assert store.inspect().state.metrics.invalid_rows == 1
         store.insert(t, 0, make_kv(t))
-        while store.evict_leaf() is not None:
+        while store.inspect().removal.evict_leaf() is not None:
             pass
     assert victim.read_bytes() == b"not the store's"
 
@@ -179,9 +179,9 @@ def test_symlinked_layer_file_is_corrupt_and_its_target_untouched(tmp_path):
         original = victim.read_bytes()
         os.unlink(entry.path)
         os.symlink(victim, entry.path)
-        store.reader.forget(entry.path)
+        store.inspect().state.reader.forget(entry.path)
         with pytest.raises(CorruptNode):
-            store.read_layer(entry, node)
+            store.inspect().reads.read_layer(entry, node)
         store.quarantine(node, "symlink")
         assert store.match_prefix(t).length == 0
     assert victim.read_bytes() == original
@@ -206,7 +206,7 @@ def _reordered_store(sdir):
         (node,) = store.insert(t, 0, make_kv(t))
         entry = store.entry(node, 0)
         store.record_selection(entry, np.random.default_rng(0).random(6 * C), None)
-        assert store.reorder_node(node, [0]) == 1
+        assert store.inspect().reorderer.reorder_node(node, [0]) == 1
         assert store.entry(node, 0).mapping is not None
         return t, node.id
 
@@ -217,7 +217,7 @@ def test_flipped_bit_in_a_mapping_is_detected(tmp_path):
     _flip_mapping_bit(sdir / "store.sqlite", nid, 0)
     with PrefixStore(sdir, SHAPE, config()) as store:
         assert store.match_prefix(t).length == 0
-        assert store.metrics.invalid_rows == 1
+        assert store.inspect().state.metrics.invalid_rows == 1
         store.insert(t, 0, make_kv(t))
         assert_exact(store, t, 6 * C)
 
@@ -242,7 +242,7 @@ def test_empty_database_beside_data_files_is_refused_and_nothing_deleted(tmp_pat
     t = tokens_of(9, 2 * C)
     with PrefixStore(sdir, SHAPE, config()) as store:
         store.insert(t, 0, make_kv(t))
-        store.meta.checkpoint()
+        store.inspect().state.meta.checkpoint()
     for suffix in ("", "-wal", "-shm"):
         p = Path(str(sdir / "store.sqlite") + suffix)
         if p.exists():
@@ -261,7 +261,7 @@ def test_damaged_database_header_is_refused_in_one_line(tmp_path):
     t = tokens_of(10, 2 * C)
     with PrefixStore(sdir, SHAPE, config()) as store:
         store.insert(t, 0, make_kv(t))
-        store.meta.checkpoint()
+        store.inspect().state.meta.checkpoint()
     db = sdir / "store.sqlite"
     raw = bytearray(db.read_bytes())
     raw[0:16] = b"garbage garbage!"
@@ -276,8 +276,8 @@ def test_damaged_database_header_is_refused_in_one_line(tmp_path):
 
 # -- 4. full database ------------------------------------------------------------------------
 def _fill_database(store):
-    pages = store.meta.db.execute("PRAGMA page_count").fetchone()[0]
-    store.meta.db.execute(f"PRAGMA max_page_count = {pages}")
+    pages = store.inspect().state.meta.db.execute("PRAGMA page_count").fetchone()[0]
+    store.inspect().state.meta.db.execute(f"PRAGMA max_page_count = {pages}")
 
 
 def test_full_database_is_store_full_and_leaves_no_files(tmp_path):
@@ -285,17 +285,17 @@ def test_full_database_is_store_full_and_leaves_no_files(tmp_path):
         a = tokens_of(11, 2 * C)
         store.insert(a, 0, make_kv(a))
         _fill_database(store)
-        before = set(os.listdir(store.data_dir))
+        before = set(os.listdir(store.inspect().state.data_dir))
         with pytest.raises(StoreFull):
             for i in range(50):                  # until the pages run out
                 t = tokens_of(200 + i, 16 * C)
                 store.insert(t, 0, make_kv(t))
-        assert set(os.listdir(store.data_dir)) - before <= \
-            {os.path.basename(e.path) for n in store.tree.nodes.values() for e in n.layers}
-        live = {os.path.basename(e.path) for n in store.tree.nodes.values() for e in n.layers}
-        assert set(os.listdir(store.data_dir)) == live
+        assert set(os.listdir(store.inspect().state.data_dir)) - before <= \
+            {os.path.basename(e.path) for n in store.inspect().state.tree.nodes.values() for e in n.layers}
+        live = {os.path.basename(e.path) for n in store.inspect().state.tree.nodes.values() for e in n.layers}
+        assert set(os.listdir(store.inspect().state.data_dir)) == live
         assert_exact(store, a, 2 * C)
-        store.meta.db.execute("PRAGMA max_page_count = 1073741823")
+        store.inspect().state.meta.db.execute("PRAGMA max_page_count = 1073741823")
         store.insert(t, 0, make_kv(t))            # usable again once there is room
 
 
@@ -307,17 +307,17 @@ def test_reorder_keeps_its_statistics_when_the_commit_fails(tmp_path, monkeypatc
         selected = np.zeros(6 * C, bool)
         selected[2 * C:3 * C] = True
         store.record_selection(entry, np.linspace(0, 1, 6 * C), selected, [2])
-        stats = store.layer_stats(entry)
+        stats = store.inspect().importance.layer_stats(entry)
         before = (stats.bitmaps.copy(), stats.access.copy(), stats.ratio.copy())
 
         def full(*_a, **_k):
             raise StoreFull("metadata database full while reordering")
         monkeypatch.setattr("impress_flexgen.store.reorder.meta_write", full)
-        assert store.reorder_node(node, [0]) == 0
+        assert store.inspect().reorderer.reorder_node(node, [0]) == 0
         assert store.entry(node, 0) is entry
         for a, b in zip(before, (stats.bitmaps, stats.access, stats.ratio)):
             assert np.array_equal(a, b)
-        assert set(os.listdir(store.data_dir)) == \
+        assert set(os.listdir(store.inspect().state.data_dir)) == \
             {os.path.basename(e.path) for e in node.layers}
 
 
@@ -332,11 +332,11 @@ def test_eio_on_read_is_a_corrupt_node(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         monkeypatch.setattr(disk_io.os, "preadv", failing)
         with pytest.raises(CorruptNode) as err:
-            store.load_kv_chunks(store.entry(node, 1), {"k": [0], "v": [0]}, node)
+            load_chunks(store, store.entry(node, 1), {"k": [0], "v": [0]}, node)
         assert err.value.node is node
         monkeypatch.setattr(disk_io.os, "preadv", real)
         store.quarantine(node, str(err.value))
-        assert store.metrics.quarantined_nodes == 1
+        assert store.inspect().state.metrics.quarantined_nodes == 1
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
@@ -352,12 +352,12 @@ def test_directory_or_fifo_in_place_of_a_file_is_corrupt_and_blocks_nobody(tmp_p
             os.mkdir(entry.path)
         else:
             os.mkfifo(entry.path)
-        store.reader.forget(entry.path)
+        store.inspect().state.reader.forget(entry.path)
         result = {}
 
         def read_bad():
             try:
-                store.read_layer(entry, bad)
+                store.inspect().reads.read_layer(entry, bad)
             except CorruptNode as exc:
                 result["err"] = exc
         thread = threading.Thread(target=read_bad, daemon=True)
@@ -383,11 +383,11 @@ def test_quarantine_is_bounded_and_counted(tmp_path):
             t = tokens_of(300 + i, 2 * C)
             (node,) = store.insert(t, 0, make_kv(t))
             store.quarantine(node, "test")
-        files = os.listdir(store.quarantine_dir)
+        files = os.listdir(store.inspect().state.quarantine_dir)
         assert 0 < len(files) <= 3
-        assert store.quarantine_bytes() <= cap
-        assert store.overheads()["quarantine_bytes"] == store.quarantine_bytes()
-        assert store.metrics.quarantined_nodes == 4
+        assert store.inspect().files.quarantine_bytes() <= cap
+        assert store.inspect().accounting.overheads()["quarantine_bytes"] == store.inspect().files.quarantine_bytes()
+        assert store.inspect().state.metrics.quarantined_nodes == 4
 
 
 def test_failed_writes_are_not_fatal_and_leave_nothing(tmp_path, monkeypatch):
@@ -405,8 +405,8 @@ def test_failed_writes_are_not_fatal_and_leave_nothing(tmp_path, monkeypatch):
         with pytest.raises(StoreWriteFailed):
             store.insert(b, 0, make_kv(b))
         monkeypatch.undo()
-        assert sorted(os.listdir(store.data_dir)) == \
-            sorted(os.path.basename(e.path) for n in store.tree.nodes.values() for e in n.layers)
+        assert sorted(os.listdir(store.inspect().state.data_dir)) == \
+            sorted(os.path.basename(e.path) for n in store.inspect().state.tree.nodes.values() for e in n.layers)
     with PrefixStore(sdir, SHAPE, config()) as store:
         assert_exact(store, a, 2 * C)
         assert store.match_prefix(b).length == 0

@@ -49,7 +49,7 @@ def test_namespaces_never_share_a_prefix_and_stay_apart_after_reopening(tmp_path
     with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
         assert matched(store, t, "key-A") == 4 * C and matched(store, t, "key-B") == 0
         assert matched(store, t) == 4 * C
-        assert {n.namespace for n in store.tree.nodes.values()} >= {""}
+        assert {n.namespace for n in store.inspect().state.tree.nodes.values()} >= {""}
     raw = (tmp_path / "s" / "store.sqlite").read_bytes()
     assert b"key-A" not in raw                            # a digest is kept, not the key
 
@@ -64,7 +64,7 @@ def test_a_split_keeps_its_namespace(tmp_path):
         assert matched(store, b, "t") == 4 * C and matched(store, a, "t") == 4 * C
         assert matched(store, a) == 0
     with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
-        assert matched(store, b, "t") == 4 * C and len(store.tree) == 3
+        assert matched(store, b, "t") == 4 * C and len(store.inspect().state.tree) == 3
 
 
 # -- exactness ----------------------------------------------------------------------------
@@ -86,9 +86,9 @@ def test_exact_kv_supersedes_the_inexact_copy(tmp_path):
         files = [e.path for e in old.layers]
         store.insert(t, 0, make_kv(4 * C, 2), exact=True)
         assert matched(store, t, exact_only=True) == 4 * C
-        assert store.metrics.superseded == 1 and not old.live
+        assert store.inspect().state.metrics.superseded == 1 and not old.live
         assert not any(os.path.exists(f) for f in files)
-        assert all(n.exact for n in store.tree.nodes.values())
+        assert all(n.exact for n in store.inspect().state.tree.nodes.values())
 
 
 def test_an_inexact_copy_in_use_is_not_replaced(tmp_path):
@@ -122,7 +122,7 @@ def test_a_damaged_exact_flag_is_caught_by_the_row_checksum(tmp_path):
     db.commit()
     db.close()
     with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
-        assert matched(store, t) == 0 and store.metrics.invalid_rows == 1
+        assert matched(store, t) == 0 and store.inspect().state.metrics.invalid_rows == 1
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -131,9 +131,9 @@ def test_store_files_are_private_to_their_owner(tmp_path):
     try:
         with PrefixStore(tmp_path / "s", SHAPE, config()) as store:
             store.insert(tokens(8, 2 * C), 0, make_kv(2 * C, 1))
-            paths = [store.dir, store.data_dir, store.dir / "store.sqlite",
-                     store.dir / "store.lock", *store.data_dir.iterdir()]
-            wal = store.dir / "store.sqlite-wal"
+            paths = [store.inspect().state.dir, store.inspect().state.data_dir, store.inspect().state.dir / "store.sqlite",
+                     store.inspect().state.dir / "store.lock", *store.inspect().state.data_dir.iterdir()]
+            wal = store.inspect().state.dir / "store.sqlite-wal"
             if wal.exists():
                 paths.append(wal)
             for path in paths:
@@ -158,7 +158,7 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
         olds = [tokens(20 + i, 2 * C) for i in range(3)]
         for i, t in enumerate(olds):
             store.insert(t, 0, make_kv(2 * C, i))
-        write = store.files.write_layer_file
+        write = store.inspect().files.write_layer_file
         full = {"left": 1}
 
         def disk_full(*args, **kwargs):
@@ -166,12 +166,12 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
                 full["left"] -= 1
                 raise OSError(errno.ENOSPC, "No space left on device")
             return write(*args, **kwargs)
-        monkeypatch.setattr(store.files, "write_layer_file", disk_full)
-        monkeypatch.setattr(store.files, "free_bytes", lambda: None)   # statvfs says nothing
+        monkeypatch.setattr(store.inspect().files, "write_layer_file", disk_full)
+        monkeypatch.setattr(store.inspect().files, "free_bytes", lambda: None)   # statvfs says nothing
         new = tokens(30, 2 * C)
         store.insert(new, 0, make_kv(2 * C, 9))
         assert matched(store, new) == 2 * C
-        assert store.metrics.evictions >= 1
+        assert store.inspect().state.metrics.evictions >= 1
         assert sum(matched(store, t) > 0 for t in olds) < 3
 
 
@@ -197,7 +197,7 @@ def test_a_small_disk_keeps_metadata_room_and_stores_every_prefix(tmp_path):
             assert matched(store, t) == n, f"prefix {i} not stored"
             free = disk.capacity - disk.used()
             assert free >= headroom // 2, f"after prefix {i}: {free} bytes free"
-        assert store.metrics.evictions >= 24 - 5
+        assert store.inspect().state.metrics.evictions >= 24 - 5
         assert sum(matched(store, t) == n for t in news[:-1]) >= 2   # kept as room allows
     assert disk.peak <= disk.capacity
     assert StoreConfig().disk_headroom_bytes == headroom
@@ -210,7 +210,7 @@ def test_a_passing_enospc_on_a_disk_with_room_evicts_nothing(tmp_path, monkeypat
 
         def disk_full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(store.files, "write_layer_file", disk_full)
+        monkeypatch.setattr(store.inspect().files, "write_layer_file", disk_full)
         with pytest.raises(StoreWriteFailed):
             store.insert(tokens(41, 2 * C), 0, make_kv(2 * C, 2))
-        assert matched(store, old) == 2 * C and store.metrics.evictions == 0
+        assert matched(store, old) == 2 * C and store.inspect().state.metrics.evictions == 0

@@ -27,10 +27,11 @@ import torch
 
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig, StoreFull
-from impress_flexgen.store.disk_tier import DiskTier
 from impress_flexgen.tiers.memory_chain import MemoryChain
 from impress_flexgen.tiers.stack import TierStack
 from impress_flexgen.tiers import (
+    ChunkLoad,
+    DiskTier,
     DISK,
     REMOTE,
     ChunkCache,
@@ -164,7 +165,7 @@ def disk_tier(request, n_chunks: int) -> Subject:
     """The store in a tmp dir; key(i) is layer 0's first K chunk of prefix i (its own node)."""
     tmp = request.getfixturevalue("tmp_path")
     with PrefixStore(tmp / "measure", SHAPE, disk_config()) as probe:
-        node_bytes = SHAPE.n_layers * probe.state.layout(C).file_bytes
+        node_bytes = SHAPE.n_layers * probe.inspect().state.layout(C).file_bytes
     capacity = n_chunks * node_bytes
     store = PrefixStore(tmp / "store", SHAPE, disk_config(disk_capacity_bytes=capacity))
     tier = store.tiers.disk
@@ -183,18 +184,18 @@ def disk_tier(request, n_chunks: int) -> Subject:
         return True
 
     def damage(i: int) -> None:
-        entry = store.tree.nodes[node_of[i]].layers[0]
+        entry = store.inspect().state.tree.nodes[node_of[i]].layers[0]
         with open(entry.path, "r+b") as f:
             f.seek(entry.layout.chunk_offset("k", 0) + 7)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x10]))
-        store.reader.forget(entry.path)
+        store.inspect().state.reader.forget(entry.path)
 
     too_many = next(m for m in range(1, 10 ** 4)
-                    if SHAPE.n_layers * store.state.layout(m * C).file_bytes > capacity)
+                    if SHAPE.n_layers * store.inspect().state.layout(m * C).file_bytes > capacity)
     return Subject(tier, key, lambda seed, small: random_bits(seed, (2, C, 16)), fill,
-                   store.disk_bytes, damage, capacity, 2 * C * 16 * 2,
+                   store.inspect().accounting.disk_bytes, damage, capacity, 2 * C * 16 * 2,
                    oversize=lambda seed: random_bits(seed, (2, too_many * C, 16)),
                    close=store.close)
 
@@ -297,14 +298,16 @@ def test_a_store_loads_through_the_tiers_under_test(tmp_path):
                 real = getattr(tier, name)
                 setattr(tier, name, lambda *a, _r=real, _n=f"{tier.name}.{name}", **k:
                         calls.append(_n) or _r(*a, **k))
-        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        chunks, served = store.tiers.wait(store.tiers.submit(ChunkLoad(entry, {"k": [0, 1]},
+                                                                          node=node)))
         assert calls == ["memory.submit_get", "memory.submit_get", "disk.submit_get",
                          "disk.wait", "memory.put", "memory.put"]
         assert served["disk_chunks"] == 2 and served["disk"] > 0
         for i, t in enumerate(chunks["k"]):
             assert same_bits(t, kv_chunk(kv, 0, "k", i).contiguous())
         calls.clear()
-        chunks, served = store.wait(store.submit(entry, {"k": [0, 1]}, node))
+        chunks, served = store.tiers.wait(store.tiers.submit(ChunkLoad(entry, {"k": [0, 1]},
+                                                                          node=node)))
         assert "disk.submit_get" not in calls and served["cpu"] == 2 * entry.layout.chunk_bytes
         assert memory.metrics()["hits"] == 2
 
@@ -453,8 +456,8 @@ def test_disk_reads_each_layer_file_once_whatever_the_keys(tmp_path):
              (n, 0, 2, "k", 0), (n, 0, 1, "k", 4), (n, 0, 1, "q", 0), (n, 5, 1, "k", 0),
              (n + 1, 0, 1, "k", 0), ("not", "a", "key"), (n, 0, 1, "k", 1.0)]
     submits = []
-    real = store.reader.submit
-    store.reader.submit = lambda *a, **k: submits.append(a[0]) or real(*a, **k)
+    real = store.inspect().state.reader.submit
+    store.inspect().state.reader.submit = lambda *a, **k: submits.append(a[0]) or real(*a, **k)
     got = read(tier, asked)
     assert len(submits) == 2 and len(set(submits)) == 2       # one read per layer file
     want = [kv_chunk(kv, 1, "v", 2), kv_chunk(kv, 0, "k", 3), kv_chunk(kv, 0, "v", 0),
@@ -480,7 +483,7 @@ def test_disk_a_failed_check_is_a_miss_and_quarantines_only_that_node(tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
-    store.reader.forget(entry.path)
+    store.inspect().state.reader.forget(entry.path)
     keys = [(a.id, 0, 1, "k", 1), (a.id, 1, 1, "v", 2), (a.id, 1, 1, "k", 0), (b.id, 1, 1, "v", 1)]
     got = read(tier, keys)
     # A's layer 0 was read whole and checked: served or not, never wrong bytes.
@@ -508,8 +511,8 @@ def test_disk_invalidate_spares_held_prefixes_and_takes_what_lies_below(tmp_path
     files = [Path(e.path) for n in (parent, child) for e in n.layers]
     assert tier.invalidate([pkey, pkey, (parent.id, 0, 1, "v", 1)]) == 2
     assert not tier.contains(pkey) and not tier.contains(ckey)   # the child went with it
-    assert len(store.tree) == 0 and not any(f.exists() for f in files)
-    assert tier.metrics()["invalidated_nodes"] == 1 and store.metrics.evictions == 0
+    assert len(store.inspect().state.tree) == 0 and not any(f.exists() for f in files)
+    assert tier.metrics()["invalidated_nodes"] == 1 and store.inspect().state.metrics.evictions == 0
     store.close()
 
 
@@ -562,7 +565,7 @@ def test_disk_tier_concurrent_reads_and_invalidations_never_serve_wrong_bytes(tm
         t.join()
     assert not failures
     tier.invalidate(list(keys.values()))           # those a read held then go now
-    assert len(store.tree) == 0 and read(tier, list(keys.values())) == [None] * len(keys)
+    assert len(store.inspect().state.tree) == 0 and read(tier, list(keys.values())) == [None] * len(keys)
     store.close()
 
 

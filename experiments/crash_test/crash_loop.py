@@ -47,7 +47,7 @@ def crash_loop(base: Path, kind: str, iterations: int, seed: int, max_delay: flo
             # Filled to near its capacity (a prefix takes at most a third): the writer's
             # first inserts already evict.
             with PrefixStore(st.dir, SHAPE, store_config(fmt)) as store:
-                while store.disk_bytes() <= 0.6 * cap:
+                while store.inspect().accounting.disk_bytes() <= 0.6 * cap:
                     fill_store(store, prefixes, [st.next_id], rng)
                     st.committed.add(st.next_id)
                     st.next_id += 1
@@ -149,7 +149,7 @@ def crash_loop(base: Path, kind: str, iterations: int, seed: int, max_delay: flo
             stats: dict = {}
             ids = sorted(st.committed | st.gone)
             with StoreWarnings(), PrefixStore(st.dir, SHAPE, st.store_config()) as store:
-                dropped = {nid for nid in damaged if nid not in store.tree.nodes} - writer_hits
+                dropped = {nid for nid in damaged if nid not in store.inspect().state.tree.nodes} - writer_hits
                 for p in ids:
                     if not serve(store, prefixes.tokens(p), hits, stats):
                         res["not_repaired"] += 1

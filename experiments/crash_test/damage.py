@@ -106,12 +106,12 @@ def corruption(base: Path, n_prefixes: int, faults_per_store: int, seed: int,
                     fail(f"{sdir.name}: prefix {p} not exact after repair")
             if cls != "corruption":
                 for nid in set(injected) - set(hits):
-                    node = store.tree.nodes.get(nid)
+                    node = store.inspect().state.tree.nodes.get(nid)
                     if node is None or check_node(store, node) is None:
                         harmless.add(nid)
             if quarantine_bytes is not None:
                 size = quarantine_size(sdir)
-                counted = store.overheads().get("quarantine_bytes")
+                counted = store.inspect().accounting.overheads().get("quarantine_bytes")
                 res["quarantine_bytes"] = res.get("quarantine_bytes", 0) + size
                 if size > quarantine_bytes:
                     fail(f"{sdir.name}: quarantine/ holds {size} bytes, bound "

@@ -122,7 +122,7 @@ def verify_after_crash(st: KillState, prefixes: Prefixes, failures: list[str], r
         cleaned = len(before - live_files(store))
         left = orphans(store)
         bad, wrong, read_back = {}, 0, 0
-        for node in list(store.tree.nodes.values()):
+        for node in list(store.inspect().state.tree.nodes.values()):
             names = [os.path.basename(e.path) for e in node.layers]
             why = None
             if all(n in st.verified for n in names) and rng.random() >= resample:
@@ -155,11 +155,11 @@ def verify_after_crash(st: KillState, prefixes: Prefixes, failures: list[str], r
         for name in left:
             failures.append(f"{st.dir.name}: orphan after recovery: {name}")
         over = 0
-        if cap is not None and store.disk_bytes() > cap:
+        if cap is not None and store.inspect().accounting.disk_bytes() > cap:
             over = 1
-            failures.append(f"{st.dir.name}: {store.disk_bytes()} bytes stored after "
+            failures.append(f"{st.dir.name}: {store.inspect().accounting.disk_bytes()} bytes stored after "
                             f"recovery, capacity {cap}")
-        n_nodes = len(store.tree)
+        n_nodes = len(store.inspect().state.tree)
     return {"orphans": len(left), "bad_nodes": len(bad), "wrong_nodes": wrong,
             "cleaned": cleaned, "nodes": n_nodes, "nodes_read_back": read_back,
             "over_capacity": over}
@@ -191,7 +191,7 @@ def final_read_back(st: KillState, prefixes: Prefixes, failures: list[str]) -> d
     """Every node and every committed prefix read back whole."""
     bad = wrong = 0
     with PrefixStore(st.dir, SHAPE, st.store_config()) as store:
-        for node in list(store.tree.nodes.values()):
+        for node in list(store.inspect().state.tree.nodes.values()):
             why = check_node(store, node)
             if why:
                 bad += 1
@@ -202,5 +202,5 @@ def final_read_back(st: KillState, prefixes: Prefixes, failures: list[str]) -> d
                 st.lost.add(p)
                 failures.append(f"{st.dir.name}: committed prefix {p} not bit-exact "
                                 "in the final read-back")
-        nodes = len(store.tree)
+        nodes = len(store.inspect().state.tree)
     return {"bad_nodes": bad, "wrong_nodes": wrong, "nodes": nodes}

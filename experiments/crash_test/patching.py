@@ -70,19 +70,19 @@ def on_node_removal(store, before, after=None) -> None:
             return out
         removal.remove_subtree = remove_subtree
         return
-    real_delete = store.meta.delete_node
+    real_delete = store.inspect().state.meta.delete_node
 
     def delete_node(nid, *a, **kw):
-        node = store.tree.nodes.get(nid)
+        node = store.inspect().state.tree.nodes.get(nid)
         if node is not None:
             before(node)
         return real_delete(nid, *a, **kw)
-    store.meta.delete_node = delete_node
+    store.inspect().state.meta.delete_node = delete_node
 
 
 def metadata_connection(store) -> sqlite3.Connection | None:
     """The store's SQLite connection (the sqlite_full fault limits its pages)."""
-    db = getattr(store.meta, "db", None)
+    db = getattr(store.inspect().state.meta, "db", None)
     return db if isinstance(db, sqlite3.Connection) else None
 
 

@@ -27,12 +27,12 @@ def files_on_disk(store_dir: Path) -> tuple[set[str], list[str]]:
 
 
 def live_files(store: PrefixStore) -> set[str]:
-    return {os.path.basename(e.path) for n in store.tree.nodes.values() for e in n.layers}
+    return {os.path.basename(e.path) for n in store.inspect().state.tree.nodes.values() for e in n.layers}
 
 
 def stray_files(store: PrefixStore) -> set[str]:
     """Files in data/ that no live layer entry references, and *.tmp files anywhere."""
-    names, tmps = files_on_disk(store.dir)
+    names, tmps = files_on_disk(store.inspect().state.dir)
     return {f"data/{n}" for n in names - live_files(store)} | set(tmps)
 
 
@@ -59,13 +59,13 @@ def check_node(store: PrefixStore, node) -> str | None:
     """Read every layer of `node` (probe copy and K/V); None if bit-exact, else why not:
     "unreadable: ..." (CorruptNode), "error: ..." (any other exception), or how bits differ."""
     try:
-        tokens = np.concatenate([n.tokens for n in store.tree.path_to(node)])
+        tokens = np.concatenate([n.tokens for n in store.inspect().state.tree.path_to(node)])
         want = expected_bits(tokens)[:, :, :, node.start:node.end]
         for layer in range(SHAPE.n_layers):
             entry = store.entry(node, layer)
             try:
-                probe = store.read_probe(entry, node)
-                k, v = store.read_layer(entry, node)
+                probe = store.start_probe(entry, node).result()
+                k, v = store.inspect().reads.read_layer(entry, node)
             except CorruptNode as exc:
                 return f"unreadable: {exc}"
             if not (k.shape == v.shape == want[layer, 0].shape and
@@ -88,8 +88,8 @@ def read_prefix(store: PrefixStore, match) -> list[tuple[torch.Tensor, torch.Ten
         ks, vs = [], []
         for node, used in match.segments:
             entry = store.entry(node, layer)
-            store.read_probe(entry, node)
-            k, v = store.read_layer(entry, node)
+            store.start_probe(entry, node).result()
+            k, v = store.inspect().reads.read_layer(entry, node)
             ks.append(k[:, :used])
             vs.append(v[:, :used])
         empty = torch.zeros(SHAPE.n_kv_heads, 0, SHAPE.head_dim, dtype=torch.float16)
@@ -176,9 +176,9 @@ def fill_store(store: PrefixStore, prefixes: Prefixes, ids, rng) -> None:
 def disjoint_nodes(store: PrefixStore, rng, n: int) -> list:
     """Up to n nodes of which none lies below another: quarantining one never hides another."""
     chosen: list = []
-    for nid in rng.permutation(sorted(store.tree.nodes)).tolist():
-        node = store.tree.nodes[nid]
-        family = set(store.tree.path_to(node)) | set(store.tree.subtree(node))
+    for nid in rng.permutation(sorted(store.inspect().state.tree.nodes)).tolist():
+        node = store.inspect().state.tree.nodes[nid]
+        family = set(store.inspect().state.tree.path_to(node)) | set(store.inspect().state.tree.subtree(node))
         if not any(c in family for c in chosen):
             chosen.append(node)
         if len(chosen) == n:
@@ -191,6 +191,6 @@ def prefix_bytes(fmt: str, base: Path, chunks: int) -> int:
     tokens = np.arange(chunks * C, dtype=np.int32)
     with PrefixStore(base, SHAPE, store_config(fmt)) as store:
         store.insert(tokens, 0, kv_from_bits(expected_bits(tokens)))
-        n = store.disk_bytes()
+        n = store.inspect().accounting.disk_bytes()
     shutil.rmtree(base)
     return n

@@ -30,7 +30,7 @@ def write_faults(sdir: Path, n_inject: int, rng, prefixes: Prefixes, fmt: str, m
         for j in range(n_inject):
             case = ("insert", "split", "reorder")[j % 3]
             if case == "reorder":
-                node = list(store.tree.nodes.values())[int(rng.integers(len(store.tree)))]
+                node = list(store.inspect().state.tree.nodes.values())[int(rng.integers(len(store.inspect().state.tree)))]
                 for layer in range(SHAPE.n_layers):
                     scores = rng.random(node.n_tokens).astype(np.float32)
                     store.record_selection(store.entry(node, layer), scores, None, None)
@@ -56,7 +56,7 @@ def write_faults(sdir: Path, n_inject: int, rng, prefixes: Prefixes, fmt: str, m
             with make_fault(j, fail_at) as patch:
                 if tokens is None:
                     try:
-                        n_done = store.reorder_node(node)
+                        n_done = store.inspect().reorderer.reorder_node(node)
                         if n_done >= SHAPE.n_layers:
                             ok, why = False, "reorder did every layer despite the fault"
                     except Exception as exc:  # noqa: BLE001 - reported as unhandled
@@ -87,7 +87,7 @@ def write_faults(sdir: Path, n_inject: int, rng, prefixes: Prefixes, fmt: str, m
             # Without the fault the same operation works.
             try:
                 if tokens is None:
-                    store.reorder_node(node)
+                    store.inspect().reorderer.reorder_node(node)
                     affected = []
                     for t in done:  # the prefixes whose path holds the reordered node
                         match = store.match_prefix(t)

@@ -32,10 +32,10 @@ def snapshot(store: PrefixStore, root: Path, k: int) -> None:
     shutil.rmtree(part, ignore_errors=True)
     (part / "data").mkdir(parents=True)
     for name in ("store.sqlite", "store.sqlite-wal"):
-        if (store.dir / name).exists():
-            shutil.copyfile(store.dir / name, part / name)
+        if (store.inspect().state.dir / name).exists():
+            shutil.copyfile(store.inspect().state.dir / name, part / name)
     for name in live_files(store):
-        os.link(store.dir / "data" / name, part / "data" / name)
+        os.link(store.inspect().state.dir / "data" / name, part / "data" / name)
     os.rename(part, final)
     shutil.rmtree(root / str(k - 2), ignore_errors=True)  # the parent needs the last one
 
@@ -43,7 +43,7 @@ def snapshot(store: PrefixStore, root: Path, k: int) -> None:
 def removal_record(store: PrefixStore, node) -> str:
     """`<n> <digest>`: prefixes whose first n tokens have that digest pass through `node`
     (n reaches into its first chunk) and lose their part from n - C on if it goes."""
-    tokens = np.concatenate([n.tokens for n in store.tree.path_to(node)])
+    tokens = np.concatenate([n.tokens for n in store.inspect().state.tree.path_to(node)])
     n = node.start + C
     return f"{n} {digest(tokens[:n])}"
 
@@ -103,10 +103,10 @@ def writer(args) -> int:
         for node, used in match.segments:
             layer = int(rng.integers(SHAPE.n_layers))
             entry = store.entry(node, layer)
-            store.read_probe(entry, node)
+            store.start_probe(entry, node).result()
             ids = sorted(rng.choice(entry.layout.n_chunks, size=min(2, entry.layout.n_chunks),
                                     replace=False).tolist())
-            store.read_chunks(entry, "k", ids, node)
+            store.inspect().reads.read_chunks(entry, "k", ids, node)
             scores = rng.random(node.n_tokens).astype(np.float32)
             store.record_selection(entry, scores, scores > 0.7, ids)
         split = bool(match.segments) and match.length < aligned and \
@@ -136,7 +136,7 @@ def writer(args) -> int:
             say(f"REORDER {what}")
             try:
                 if what == "node":
-                    store.reorder_node(path[int(rng.integers(len(path)))])
+                    store.inspect().reorderer.reorder_node(path[int(rng.integers(len(path)))])
                 else:
                     store.reorder_now()
             except CorruptNode as exc:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from disk_layout.io import ReadLimit
-from impress_flexgen.engine import Engine, Request, TierSizes
+from impress_flexgen.engine import Engine, Request, TierSizes, assemble
 from impress_flexgen.serving import RunConfig, kl_divergence, kv_bytes_per_token, prepared
 from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies import make_policy
@@ -43,15 +43,14 @@ def _run(policy: str, plan: str, args) -> RunConfig:
 
 def set_read_limit(store, mb_s: float | None) -> None:
     """Hold the store's disk reads to mb_s MB/s from now on (None: unlimited)."""
-    store.reader.limit = ReadLimit(mb_s * 1e6) if mb_s else None
-    store.state.config = dataclasses.replace(store.config, read_limit_mb_s=mb_s)
+    store.inspect().state.reader.limit = ReadLimit(mb_s * 1e6) if mb_s else None
+    store.inspect().state.config = dataclasses.replace(store.config, read_limit_mb_s=mb_s)
 
 
 def _planner_engine(rt, ready, policy: str, args, tiers) -> Engine:
     """A new engine planning over `ready`'s store: a server started on this disk."""
     run = _run(policy, "auto", args)
-    engine = Engine(rt, ready.store, make_policy(run.policy, run.serving()), tiers,
-                    cache=ready.store.tiers.cache)
+    engine = assemble(rt, make_policy(run.policy, run.serving()), ready.store, tiers, cache=ready.store.tiers.cache).engine
     engine.planner.cost()   # the calibration cached at the start of the run
     return engine
 
@@ -83,7 +82,7 @@ def measure(rt, args, bar, on_cell=None) -> list[dict]:
             stores = {label: stack.enter_context(prepared(rt, wl, _run(policy, "load", args),
                                                           tiers, store_root=root))
                       for label, policy in STORES.items()}
-            engines = {"recompute": Engine(rt, None, make_policy("recomp"), tiers),
+            engines = {"recompute": assemble(rt, make_policy("recomp"), None, tiers).engine,
                        **{label: ready.engine for label, ready in stores.items()}}
             # Recompute reads no disk: measured at the first limit (round the rows like
             # the others), its requests stand for it at the next ones unless asked again.

@@ -1,5 +1,6 @@
-"""Building the serving stack, one way for the service, the workload runner and the
-experiments: the policy, the store shaped for the runtime's model, the tiers, the engine.
+"""Building the serving stack, the one way for the service, the workload runner, the
+experiments and the tests: the policy, the store shaped for the runtime's model, the memory
+tiers in front of it, the engine.
 
     stack = assemble(runtime, make_policy("impress", config),
                      StoreSpec(directory, reorder_interval=0), TierSizes(gpu_bytes=1 << 30))
@@ -7,6 +8,9 @@ experiments: the policy, the store shaped for the runtime's model, the tiers, th
         response = stack.engine.serve(Request(prefix_ids, query_ids))
     finally:
         stack.close()           # the engine's pool threads, then the store (not the runtime)
+
+A store opened by the caller (a PrefixStore) may be given instead of a StoreSpec: it stays
+the caller's to close.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ from policies import ServingConfig, ServingPolicy, make_policy
 from ..errors import UserError
 from ..runtime import Runtime
 from ..store import CHUNK_SIZE, PrefixStore, StoreConfig
-from ..tiers import ChunkCache
+from ..tiers import ChunkCache, TierConfig
 from .engine import Engine, TierSizes
 from .family import model_shape, probe_setup
+from .scheduler import SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +54,13 @@ class Stack:
     store: PrefixStore | None
     engine: Engine
     warnings: list[str] = dataclasses.field(default_factory=list)   # from start_engine
+    owns_store: bool = True        # opened by assemble (a store given stays the giver's)
 
     def close(self) -> None:
         try:
             self.engine.close()
         finally:
-            if self.store is not None:
+            if self.store is not None and self.owns_store:
                 self.store.close()
 
 
@@ -67,24 +73,34 @@ def make_serving_policy(name: str, config: ServingConfig,
     return policy
 
 
-def assemble(runtime: Runtime, policy: ServingPolicy, store: StoreSpec | None = None,
+def assemble(runtime: Runtime, policy: ServingPolicy, store: StoreSpec | PrefixStore | None = None,
              tiers: TierSizes = TierSizes(), *, cache: ChunkCache | None = None,
-             start: bool = False) -> Stack:
+             scheduling: SchedulerConfig = SchedulerConfig(), start: bool = False) -> Stack:
     """The engine serving `runtime`'s model with `policy`, over a store opened as `store`
-    says when the policy reuses stored KV (none otherwise, or without `store`), behind
-    tiers of `tiers`' sizes (or `cache`, shared with another engine on the same store).
-    `start`: run start_engine() before returning (its warnings in the stack). A store that
-    cannot be opened is a UserError naming its directory."""
-    opened = None
-    if store is not None and policy.reuse:
-        opened = _open(store, runtime, policy)
+    says when the policy reuses stored KV (none otherwise, or without `store`; a PrefixStore
+    is used as it is), behind memory tiers of `tiers`' sizes (or `cache`, shared with
+    another engine on the same store), batching as `scheduling` says. `start`: run
+    start_engine() before returning (its warnings in the stack). A store that cannot be
+    opened is a UserError naming its directory."""
+    opened, owned = None, False
+    if isinstance(store, PrefixStore):
+        opened = store
+    elif store is not None and policy.reuse:
+        opened, owned = _open(store, runtime, policy), True
     try:
-        engine = Engine(runtime, opened, policy, tiers, cache)
+        engine = Engine(runtime, opened, policy, tiers, scheduling)
+        if opened is not None and policy.reuse:
+            # The memory tiers (GPU, CPU) in front of the store's disk; engines that share
+            # a store share them.
+            opened.tiers.use_memory(cache if cache is not None else ChunkCache(
+                TierConfig(tiers.gpu_bytes, tiers.cpu_bytes, policy.tier_policy, tiers.alpha,
+                           tiers.exclusive, verify_hits=tiers.verify_hits),
+                gpu_device=engine.device))
     except BaseException:
-        if opened is not None:
+        if owned:
             opened.close()
         raise
-    stack = Stack(runtime, policy, opened, engine)
+    stack = Stack(runtime, policy, opened, engine, owns_store=owned)
     if start:
         try:
             stack.warnings = start_engine(engine)

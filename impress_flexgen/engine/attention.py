@@ -1,12 +1,49 @@
-"""Attention of new tokens over a kept prefix plus themselves (causal among the new).
+"""Attention: new tokens over a kept prefix plus themselves (prefill), an exact policy's
+canonical tiles, and one new token per sequence over its own context (decode).
 
     out = attend(q, keys, values, mask, causal_tail=s, group=n_head // n_kv_head,
                  device=device)
+    groups, lanes = plan_rows([(first_row, positions, end), ...], n_rows, device)
+    attn = attend_lane(attend, q, keys, values, mask, lanes[i])
+    side = SideBySide(); side.hold(seqs, n_head); out = side.attend(layer, q, k, v, ...)
+
+Canonical prefill rows: an exact policy's answers never depend on what was stored.
+
+A call's rounding depends on its shape: the same row multiplied in a call of 11 rows and in
+one of 539 can differ in its last bits (BLAS picks kernels, blocking and thread splits by
+shape), and the attention kernel rounds a query row differently with another number of
+queries or keys. An exact policy therefore runs the rows of a prefill pass in calls whose
+shapes do not depend on how much of the prompt was stored, nor on the pass's other requests:
+
+- the whole-chunk prefix rows it computes (those a store keeps: positions below `end`, the
+  prefix's last chunk boundary) go through every product in calls of exactly TILE rows (the
+  pass's such rows one after the other, the last call padded), and attend by tiles of TILE
+  positions aligned at multiples of TILE: a tile's queries (padded to TILE) over keys
+  [0, tile end) in position order. A row comes out the same whatever else shares its calls,
+  so stored KV is the KV a recomputation makes, bit for bit, however the prefix got stored;
+- the rest of a request (the prefix's last partial chunk and the query) is never stored: its
+  rows go through each product in one call with every other request's such rows (the block),
+  and attend in one call over the prefix's KV in position order. A request whose prefix is
+  stored runs only this, with the shapes a recomputation of it runs.
+
+The rows of a call do not mix (a product's row depends only on that row and the weights; an
+attention row only on its query and the keys it may see, masked keys adding exact zeros).
+Several requests' blocks share calls: a batch's answers may differ in the last bits from the
+same requests alone.
+
+The decode batch: the contexts of a batch live side by side in one buffer per layer
+(SideBySide), padded to the longest and masked, so that one attention call serves them all;
+a sequence alone, or one whose decode-phase policy picks its own pages, attends its own
+context (attend_context).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+from .sequence import LayerKV
 
 
 def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: int,
@@ -50,3 +87,213 @@ def _diagonal(s: int, tail: int, device) -> torch.Tensor:
     idx = torch.arange(s, device=device)
     out[idx, idx + tail - s] = True
     return out
+
+
+# Rows per call of a product and positions per attention tile: a multiple of every SIMD
+# width, rows enough that BLAS runs its blocked kernels, few calls per layer.
+TILE = 256
+
+
+@dataclasses.dataclass
+class RowGroup:
+    """Rows of a pass computed by one call of each product. `index`: the pass row each slot
+    holds (-1: padding), None for every row of the pass in order; `positions` (1, n)."""
+
+    index: torch.Tensor | None
+    positions: torch.Tensor
+    rope: object = None
+    run: tuple[int, int] | None = None       # the slots are pass rows [a, b), no padding
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The group's rows of `x` along `dim`, padding slots zero."""
+        if self.index is None:
+            return x
+        if self.run is not None:
+            return x.narrow(dim, self.run[0], self.run[1] - self.run[0])
+        pad = self.index < 0
+        out = x.index_select(dim, self.index.clamp(min=0))
+        if bool(pad.any()):
+            out.index_fill_(dim, pad.nonzero()[:, 0], 0)
+        return out
+
+    def scatter(self, out: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+        """Put the group's rows of `y` (padding left out) at their rows of `out`."""
+        if self.index is None:
+            return out.copy_(y)
+        if self.run is not None:
+            out.narrow(dim, self.run[0], self.run[1] - self.run[0]).copy_(y)
+            return out
+        real = (self.index >= 0).nonzero()[:, 0]
+        out.index_copy_(dim, self.index[real], y.index_select(dim, real))
+        return out
+
+
+def _group(index: torch.Tensor, positions: torch.Tensor, size: int) -> RowGroup:
+    """Rows `index` at `positions` as one call of `size` rows (padded at the end)."""
+    n = len(index)
+    run = (int(index[0]), int(index[0]) + n) if n == size and \
+        bool((index[1:] - index[:-1] == 1).all()) else None
+    if n < size:
+        index = torch.cat([index, index.new_full((size - n,), -1)])
+        positions = torch.cat([positions, positions.new_zeros(size - n)])
+    return RowGroup(index, positions[None], run=run)
+
+
+@dataclasses.dataclass
+class LaneRows:
+    """One request's rows in a pass for its attention: its first rows by tiles (lane-local
+    rows, their slots in the tile, the tile's first position), its last `n_block` rows as
+    one block."""
+
+    tiles: list[tuple[torch.Tensor, torch.Tensor, int]]
+    n_block: int
+
+
+def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
+              ) -> tuple[list[RowGroup], list[LaneRows | None]]:
+    """The calls of a pass. `lanes`: per request (its first pass row, the positions of its
+    rows in pass order, `end`: its rows at positions below go by tiles; 0: none do, and the
+    request's attention is its own affair)."""
+    tiled_index, tiled_pos, block_index, block_pos = [], [], [], []
+    rows: list[LaneRows | None] = []
+    for lo, positions, end in lanes:
+        n_tiled = int((positions < end).sum()) if end else 0
+        tiled = positions[:n_tiled]
+        tiled_index.append(torch.arange(lo, lo + n_tiled, device=device))
+        tiled_pos.append(tiled)
+        block_index.append(torch.arange(lo + n_tiled, lo + len(positions), device=device))
+        block_pos.append(positions[n_tiled:])
+        tiles = []
+        for t in torch.unique(tiled // TILE).tolist():
+            local = ((tiled // TILE) == t).nonzero()[:, 0]
+            tiles.append((local, tiled[local] - t * TILE, t * TILE))
+        rows.append(LaneRows(tiles, len(positions) - n_tiled) if end else None)
+    groups = []
+    index, pos = torch.cat(tiled_index), torch.cat(tiled_pos)
+    for i in range(0, len(index), TILE):
+        groups.append(_group(index[i:i + TILE], pos[i:i + TILE], TILE))
+    index, pos = torch.cat(block_index), torch.cat(block_pos)
+    if len(index) == n_rows:            # nothing tiled: the pass's rows, as they are
+        groups.append(RowGroup(None, pos[None]))
+    elif len(index):
+        groups.append(_group(index, pos, len(index)))
+    return groups, rows
+
+
+def _upto(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x's first n positions (dim 1), zero (False) past its end."""
+    if x.shape[1] >= n:
+        return x[:, :n]
+    return torch.cat([x, x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:])], dim=1)
+
+
+def attend_lane(attend, q, keys, values, mask, lane: LaneRows) -> torch.Tensor:
+    """One request's attention: q (1, H, s, d) of its rows over keys, values (KV, total, d)
+    and mask (KV, total), all in position order (its rows are the last of them). `attend`:
+    attention.attend with the model's grouping (q, keys, values, mask, causal_tail)."""
+    out = q.new_empty(q.shape)
+    for local, slots, t0 in lane.tiles:
+        whole = len(local) == TILE      # a whole tile: its rows, in order
+        if whole:
+            first = int(local[0])
+            q_tile = q[:, :, first:first + TILE].contiguous()
+        else:
+            q_tile = q.new_zeros(*q.shape[:2], TILE, q.shape[3])
+            q_tile[:, :, slots] = q[:, :, local]
+        end = t0 + TILE
+        part = attend(q_tile, _upto(keys, end), _upto(values, end), _upto(mask, end), TILE)
+        if whole:
+            out[:, :, first:first + TILE] = part
+        else:
+            out[:, :, local] = part[:, :, slots]
+    if lane.n_block:
+        out[:, :, -lane.n_block:] = attend(q[:, :, -lane.n_block:].contiguous(), keys,
+                                           values, mask, lane.n_block)
+    return out
+
+
+def attend_context(kv, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
+    """q (1, H, 1, d) of one sequence's new token over its context (a LayerKV, which takes
+    the token's k_new, v_new (KV, 1, d)) plus itself; `work`: the dtype to attend in (None:
+    q's)."""
+    kv.append(k_new, v_new)
+    keys, values, mask = kv.view()
+    work = work or q.dtype
+    out = F.scaled_dot_product_attention(
+        q.to(work), keys[None].to(work), values[None].to(work), attn_mask=mask,
+        enable_gqa=gqa)
+    return out.to(q.dtype)
+
+
+class SideBySide:
+    """The decode contexts of a batch side by side: per layer K and V (B, KV, cap, d) and
+    the mask (B, H, 1, cap) of the keys each head attends, with row b one sequence's
+    LayerKV (bound to it, so a step alone or a later batch goes on from the same memory).
+
+    A sequence's context ends at its own length; the positions after it, up to the longest
+    in the batch, are masked out, so the one attention call per layer gives each row what
+    attending its own context alone gives (to rounding). The buffers are laid out again
+    when the batch's members change (a join or a leave), not on every step.
+    """
+
+    def __init__(self) -> None:
+        self.seqs: list = []       # the members, in row order
+        self.layers: list[list] = []   # per layer [K, V, mask, its additive form, lengths,
+        #                                longest length]
+
+    def hold(self, seqs: list, n_head: int) -> bool:
+        """Lay out `seqs` side by side (if not already); False when they cannot be: one
+        sequence alone, one whose decode-phase policy attends its own pages, or one whose
+        context is compressed (sequence.CompressedKV)."""
+        if len(seqs) < 2 or any(s.pages is not None or s.kv is None or
+                                any(kv is None or not isinstance(kv, LayerKV) for kv in s.kv)
+                                for s in seqs):
+            self.seqs, self.layers = [], []
+            return False
+        if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
+            return True
+        self.layers = []
+        for j in range(len(seqs[0].kv)):
+            ctx = [s.kv[j] for s in seqs]
+            n_kv, _, d = ctx[0].k.shape
+            cap = max(kv.k.shape[1] for kv in ctx)
+            like = ctx[0].k
+            keys = like.new_zeros(len(seqs), n_kv, cap, d)
+            values = like.new_zeros(len(seqs), n_kv, cap, d)
+            mask = torch.zeros(len(seqs), n_head, 1, cap, dtype=torch.bool, device=like.device)
+            for b, kv in enumerate(ctx):
+                kv.bind(keys[b], values[b], mask[b, :, 0])
+            # The same mask as SDPA's additive form, kept beside it: a boolean mask is
+            # converted on every call (180 against 112 us per call at 4 rows on a CPU).
+            # While the layout holds, only attend() writes the members' masks.
+            bias = torch.zeros(mask.shape, dtype=like.dtype, device=like.device)
+            bias.masked_fill_(~mask, float("-inf"))
+            lengths = torch.tensor([kv.n for kv in ctx], device=like.device)
+            self.layers.append([keys, values, mask, bias, lengths, max(kv.n for kv in ctx)])
+        self.seqs = list(seqs)
+        return True
+
+    def forget(self, seq) -> None:
+        """A member is done: the buffers go with the batch, not with the next step."""
+        if any(s is seq for s in self.seqs):
+            self.seqs, self.layers = [], []
+
+    def attend(self, layer: int, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
+        """q (B, H, 1, d), k_new and v_new (B, KV, 1, d): each row's new token over its own
+        context plus itself."""
+        held = self.layers[layer]
+        keys, values, mask, bias, lengths, longest = held
+        rows = torch.arange(len(self.seqs), device=keys.device)
+        keys[rows, :, lengths] = k_new[:, :, 0]
+        values[rows, :, lengths] = v_new[:, :, 0]
+        mask[rows, :, 0, lengths] = True
+        bias[rows, :, 0, lengths] = 0.0
+        lengths += 1
+        for s in self.seqs:
+            s.kv[layer].n += 1
+        end = held[5] = longest + 1          # every row grew by one
+        work = work or q.dtype
+        out = F.scaled_dot_product_attention(
+            q.to(work), keys[:, :, :end].to(work), values[:, :, :end].to(work),
+            attn_mask=bias[..., :end].to(work), enable_gqa=gqa)
+        return out.to(q.dtype)

@@ -1,62 +1,57 @@
-"""The serving engine: one request, from radix match to generated tokens.
+"""The serving engine: requests in, one step at a time, responses out.
 
-    engine = Engine(runtime, store, make_policy("impress"))
-    response = engine.serve(Request(prefix_ids, query_ids, max_new_tokens=8))
+    stack = assemble(runtime, make_policy("impress"), StoreSpec(directory))
+    seq = stack.engine.add_request(Request(prefix_ids, query_ids, max_new_tokens=8))
+    while not seq.finished:
+        stack.engine.step()           # returns the sequences it finished
+    response = seq.result()           # or: stack.engine.serve(request), both at once
 
-For each request:
-  1. match    the longest stored, chunk-aligned part R of the prefix (locked meanwhile),
-              then the chunks after it that the shared pool holds (a remote tier, if any);
-              the plan: load R, recompute it, or recompute its front while the rest loads
-              (the cost model's choice; `ServingConfig.plan`);
-  2. embed    the new tokens (the rest of the prefix, then the query) at positions |R|...;
-  3. per layer, with that layer's weights placed by FlexGen's policy:
-       project  the new tokens' q, k, v;
-       plan     the policy reads probe keys and decides which chunks to load (ITF); the
-                probe keys were read in the background while the layer before computed;
-       load     those K and V chunks, in one round trip through the tiers, fastest first
-                (CRC-checked; the read-ahead (readahead.py) schedules the reads);
-       attend   the new tokens over the kept prefix tokens plus themselves (causal);
-       MLP;
-  4. logits   of the last position: the first token (time to first token ends here;
-              logits of the other query positions, when asked for, come after; a scored
-              prompt is prefilled and scored in pieces instead, scoring.py);
-  5. store    the newly computed prefix KV (whole chunks) in the radix tree, then in the
-              shared pool (write-through); on a writer thread while the request decodes
-              (store_writer);
-  6. decode   over the kept prefix tokens plus the generated ones (or the full prefix):
-              `start` returns a Sequence after 1-5, `step` advances a batch of sequences by
-              one token each (batch_runner), `finish` makes the response; `serve` does all
-              three for one request, a scheduler interleaves many (scheduler).
+Three objects and one loop. The scheduler (scheduler.py) decides what a step runs: which
+waiting sequences are admitted and in which prefill passes, a scored prompt's next piece,
+the decode batch; and its post-processing appends each picked token and finishes sequences.
+The runner (runner.py) runs every layer loop: a prefill pass over several sequences' new
+tokens, a decode step of the batch. Each sequence (sequence.py) is one record from match to
+last token. For each request:
+  1. open     its stored prefix: match, shared pool, plan, pinned (prefix.py);
+  2. prefill  per layer, with that layer's weights placed by FlexGen's policy: project the
+              new tokens' q, k, v; the policy reads the probe keys (read ahead while the
+              layer before computed) and decides which chunks to load; load them, in one
+              round trip through the tiers, fastest first (CRC-checked; layer_io.py);
+              attend over the kept prefix tokens plus themselves; MLP (runner.py, lane.py);
+  3. first    token from the last position's logits: streamed now (time to first token);
+  4. close    its newly computed prefix KV (whole chunks) stored in the radix tree, then in
+              the shared pool, on a writer thread while it decodes (store_writer.py);
+  5. decode   one token a step, the batch's weights brought once a layer; its response made
+              when it is finished.
+A corrupt stored node is quarantined and the request computed again; a chunk the shared
+pool lost serves it again without it (`_prefill_alone`).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import Callable
 
 import numpy as np
 import torch
 
 from policies import ServingPolicy
 
-from .batch_prefill import PrefillJob, prefill_pass
-from ..batch_runner import BatchRunner
-from ..errors import UserError
+from ..errors import CorruptNode, UserError
 from ..planner.context import ContextKV
 from ..planner.planner import Planner
 from ..request import Request, RequestStats, Response
 from ..runtime import Runtime
-from ..sampling import Sampler
-from ..scores import step_scores
-from ..sequence import Sequence, decode_context
-from ..store import CHUNK_SIZE, CorruptNode, PrefixStore, StoreWriteFailed
-from ..store.shared import SharedMiss, shared_pool
-from ..tiers import ChunkCache, TierConfig
+from ..scores import TokenScores
+from ..store import PrefixStore
+from ..tiers import TierConfig
+from ..tiers.pool import SharedMiss, shared_pool
 from .family import FamilyMath, probe_setup
+from .prefix import Prefixes
 from .prefix_kv import PrefixKV
-from .runner import LayerRunner
-from .scoring import PIECE_TOKENS, ScoredPrefill
+from .runner import Runner
+from .scheduler import Scheduler, SchedulerConfig, free_memory_bytes
+from .sequence import ScoredPrompt, Sequence, checked
 from .store_writer import StoreWriter
 
 log = logging.getLogger("impress_flexgen.engine")
@@ -68,51 +63,40 @@ TierSizes = TierConfig
 
 class Engine:
     def __init__(self, runtime: Runtime, store: PrefixStore | None, policy: ServingPolicy,
-                 tiers: TierSizes = TierSizes(), cache: ChunkCache | None = None):
-        """`cache`: tiers to share with another engine on the same store (default: new
-        tiers of `tiers`' sizes)."""
+                 tiers: TierSizes = TierSizes(),
+                 scheduling: SchedulerConfig = SchedulerConfig()):
+        """Built by assemble() (assemble.py), which also puts the memory tiers in front of
+        the store. `tiers`: the shared pool's settings (remote_url, ...)."""
         if not runtime.policy.sep_layer:
             raise UserError("the serving engine needs FlexGen's sep_layer layout")
         self.rt = runtime
-        self.model = runtime.model
-        self.math = FamilyMath(runtime.spec)
+        self.math = math = FamilyMath(runtime.spec)
         self.store = store
         self.policy = policy
         self.config = policy.config
         self.probe_heads, self.probe_kv_heads = probe_setup(runtime.spec, policy.config)
-        # FlexGen's weight buffers and the policy's per-layer state belong to one request at
-        # a time: requests from several threads take turns through the layers (the store
-        # serves several engines at once). The buffers are the model's, so every engine on
-        # one runtime takes the runtime's lock (a planner's background recalibration on one
-        # engine must not run the model while another engine serves).
-        self._serving = runtime.compute_lock
-        self.compute = self.model.layers[0].compute
-        self.device = self.compute.dev
+        # FlexGen's weight buffers and the policy's per-layer state belong to one caller at
+        # a time: callers on several threads take turns (the store serves several engines at
+        # once). The buffers are the model's, so every engine on one runtime takes the
+        # runtime's lock (a planner's background recalibration on one engine must not run
+        # the model while another engine serves).
+        self.lock = runtime.compute_lock
+        self.device = runtime.model.layers[0].compute.dev
         self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
             else torch.float32
-        if store is not None and policy.reuse:
-            if tuple(store.config.probe_heads) != self.probe_kv_heads:
-                raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "
-                                f"the policy probes {self.probe_kv_heads}")
-            store.tiers.use_memory(cache if cache is not None else ChunkCache(
-                TierConfig(tiers.gpu_bytes, tiers.cpu_bytes, policy.tier_policy, tiers.alpha,
-                           tiers.exclusive, verify_hits=tiers.verify_hits),
-                gpu_device=self.device))
-        c = self.math
+        if store is not None and policy.reuse and \
+                tuple(store.config.probe_heads) != self.probe_kv_heads:
+            raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "
+                            f"the policy probes {self.probe_kv_heads}")
         # Decode steps count the KV they move in fp16 bytes, as the decode-phase policies do.
-        self.kv_bytes_per_token_layer = 2 * c.n_kv_head * c.head_dim * 2
+        self.kv_bytes_per_token_layer = 2 * math.n_kv_head * math.head_dim * 2
         # Loads count stored bytes (the store's KV format).
         self.stored_bytes_per_token_layer = store.shape.kv_bytes_per_token_layer \
             if store is not None else self.kv_bytes_per_token_layer
-        # The stored prefix KV a layer attends, and the prefill's loop over the layers.
-        self.prefix = PrefixKV(store, policy, c, self.probe_heads, self.probe_kv_heads,
-                               self.device, self.dtype, self.stored_bytes_per_token_layer)
-        self.layers = LayerRunner(runtime, c, self.prefix, self.device, self.dtype)
         self.planner = None      # the cost model's planner, when the plan is auto or both
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
         self.shared_fallbacks = 0
-        self.shared_unstored = 0    # prefixes not stored: part of them came unauthenticated
         # An exact reader takes nothing from a store (or pool) in a format that loses bits.
         if tiers.remote_url and store is not None and policy.reuse and \
                 (store.shape.kv_exact or not policy.exact_reads):
@@ -122,10 +106,37 @@ class Engine:
                 else self.planner.cost().compute_s(n, ctx))
         self.tier_names = TierConfig().names(remote=self.shared is not None)
         self.max_positions = runtime.spec.config.max_seq_len
+        self.writer = StoreWriter()
+        self.prefix = Prefixes(store, policy, self.shared, self.writer, math,
+                               self.stored_bytes_per_token_layer, self.tier_names)
+        self.runner = Runner(runtime, math, PrefixKV(
+            store, policy, math, self.probe_heads, self.probe_kv_heads, self.device, self.dtype,
+            self.stored_bytes_per_token_layer), self.device, self.dtype,
+            self.kv_bytes_per_token_layer)
+        self.scheduler = self._scheduler(scheduling)
         if store is not None and policy.reuse and self.config.plan in ("auto", "both"):
-            self.planner = Planner.for_engine(self)
-        self.runner = BatchRunner(self)     # the decode steps of a batch
-        self.writer = StoreWriter()         # 5. stores, behind the decode steps
+            self.planner = self.prefix.planner = Planner.for_engine(self)
+
+    def _scheduler(self, config: SchedulerConfig) -> Scheduler:
+        m = self.math
+        elsize = torch.finfo(self.dtype).bits // 8 if self.device.type != "cpu" else 4
+        return Scheduler(
+            config, kv_bytes_per_token=2 * m.n_layers * m.n_kv_head * m.head_dim * elsize,
+            # float32 logits a query row holds while it is scored (or kept: query_logits)
+            logits_bytes_per_row=4 * self.rt.spec.config.vocab_size,
+            kv_budget=config.kv_budget_bytes if config.kv_budget_bytes is not None
+            else free_memory_bytes(self.device) // 2,
+            one_at_a_time=bool(getattr(self.policy, "keeps_layer_state", False)),
+            chunk_size=self.store.config.chunk_size if self.store is not None else 0,
+            stores_new=self.policy.store_new)
+
+    def schedule_by(self, config: SchedulerConfig) -> None:
+        """Batch by `config` from now on (nothing may be queued or running)."""
+        if self.scheduler.busy:
+            raise RuntimeError("the scheduler has requests in flight")
+        arrived = self.scheduler.arrived
+        self.scheduler = self._scheduler(config)
+        self.scheduler.arrived = arrived
 
     def close(self) -> None:
         """Stop the planner's recalibration, finish the stores handed to the writer, then
@@ -136,315 +147,274 @@ class Engine:
         if self.shared is not None:
             self.shared.tier.close()
 
-    # -- the request ------------------------------------------------------------------------
-    def serve(self, request: Request, query_logits: bool = False) -> Response:
-        """One request alone, from radix match to its last token."""
-        with self._serving:
-            seq = self.start(request, query_logits)
-            while not seq.done:
-                self.step([seq])
-            return self.finish(seq)
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request: Request, query_logits: bool = False,
+                    choices: list[Request] = ()) -> Sequence:
+        """Queue a request (UserError if malformed); its sequence is finished, its response
+        or error set, by a later step(). `choices`: the other choices of a scored prompt
+        (the same prompt, each its own sampling), which share its prefill."""
+        seq = Sequence(checked(request), want_query_logits=query_logits)
+        if choices or request.prompt_logprobs is not None:
+            lead = seq.request
+            if lead.prompt_logprobs is None:
+                raise UserError("only the choices of a scored prompt share a prefill")
+            if lead.prefix:
+                raise UserError("a scored prompt is all query: it has no prefix")
+            seq.choices = [Sequence(checked(r)) for r in choices]
+            if any(c.request.query != lead.query or
+                   c.request.prompt_logprobs != lead.prompt_logprobs for c in seq.choices):
+                raise UserError("the choices of a scored prompt must share its prompt")
+            seq.want_query_logits = False
+            seq.scoring = ScoredPrompt(list(lead.query), lead.prompt_logprobs,
+                                       self.scheduler.config.score_piece_tokens)
+        with self.lock:
+            self.scheduler.add(seq)
+        return seq
 
-    def start(self, request: Request, query_logits: bool = False) -> Sequence:
-        """The prefill step of a request (match, plan, load, compute, first token, store):
-        a sequence for decode steps, `done` when the first token was also the last."""
-        request = self._checked(request)
-        if request.prompt_logprobs is not None:      # every piece of it now
-            return self.open_scoring([request]).run()[0]
+    def step(self) -> list[Sequence]:
+        """One step: the admitted sequences prefilled (in passes), a scored prompt's next
+        piece, one decode step of every running sequence. Returns those it finished."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            todo = batch.prefill
+            while todo:
+                group, todo = self.scheduler.next_pass(
+                    todo, self._opened(self.scheduler.candidates(todo)))
+                self._release(todo)           # opened again for a pass of their own
+                self._prefill(group)
+            if batch.piece is not None:
+                self._score_piece(batch.piece)
+            self._decode(self.scheduler.decoding())
+        return [self._respond(seq) for seq in self.scheduler.take_finished()]
+
+    def serve(self, request: Request, query_logits: bool = False) -> Response:
+        """One request, from radix match to its last token (steps until it is finished;
+        sequences of other callers that finish meanwhile are left for their step())."""
+        with self.lock:
+            seq = self.add_request(request, query_logits)
+            others = []
+            while not seq.finished:
+                others += [s for s in self.step() if s is not seq]
+            self.scheduler.give_back(others)
+        return seq.result()
+
+    def serve_all(self, requests: list[Request], config: SchedulerConfig | None = None,
+                  query_logits: bool = False) -> list:
+        """Serve `requests` together (batched as `config` says, if given); their responses
+        in order, an exception in place of one that failed."""
+        with self.lock:
+            if config is not None:
+                self.schedule_by(config)
+            out: list = [None] * len(requests)
+            seqs = {}
+            for i, req in enumerate(requests):
+                try:
+                    seqs[self.add_request(req, query_logits).id] = i
+                except UserError as exc:
+                    out[i] = exc
+            while self.scheduler.busy:
+                for seq in self.step():
+                    if seq.id in seqs:
+                        out[seqs[seq.id]] = seq.error or seq.response
+        return out
+
+    # -- prefill -----------------------------------------------------------------------------
+    def _opened(self, seqs: list[Sequence]) -> list[Sequence]:
+        """`seqs` opened for a pass; one that fails to open is served alone now."""
+        opened = []
+        for seq in seqs:
+            try:
+                self.prefix.open(seq, use_shared=self.shared is not None)
+                opened.append(seq)
+            except Exception as exc:  # noqa: BLE001 - this one alone, the others go on
+                log.debug("opening a request for a shared prefill failed: %s", exc)
+                self._prefill_alone(seq, opened=False)
+        return opened
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.prefix.release(seq)
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        """One pass over `group`; any failure inside a shared pass (corrupt stored KV, a
+        chunk the shared pool lost, anything else) serves each of its sequences alone
+        instead, with its own recovery; nothing was streamed yet, so nothing twice."""
+        if len(group) <= 1:
+            for seq in group:
+                self._prefill_alone(seq)
+            return
+        try:
+            outs = self.runner.prefill(group)
+        except Exception as exc:  # noqa: BLE001 - served alone below
+            log.info("shared prefill failed (%s); serving its requests alone", exc)
+            self._release(group)
+            for seq in group:
+                self._prefill_alone(seq, opened=False)
+            return
+        for seq in group:
+            seq.learn = False
+        try:
+            self._first_tokens(group, outs)
+        except Exception as exc:  # noqa: BLE001 - the pass's requests fail, the loop goes on
+            self._release(group)
+            for seq in group:
+                if not seq.finished:
+                    self.scheduler.fail(seq, exc)
+
+    def _prefill_alone(self, seq: Sequence, opened: bool = True) -> None:
+        """One sequence's prefill in a pass of its own, up to its first token; a corrupt
+        stored node is quarantined and the request computed again, a chunk the shared pool
+        lost served again with what it still holds whole, then without it."""
         use_shared = self.shared is not None
         for attempt in range(4):
             try:
-                with self._serving:
-                    if request.on_token is not None:
-                        request.on_token.restart()
-                    return self._serve(request, query_logits, recovered=attempt,
-                                       use_shared=use_shared)
+                if attempt or not opened:
+                    self.prefix.open(seq, attempt, use_shared)
+                if seq.request.on_token is not None:
+                    seq.request.on_token.restart()
+                self._first_tokens([seq], self.runner.prefill([seq]), alone=True)
+                return
             except CorruptNode as exc:
-                # Never serve corrupt KV: take the node out of service and recompute.
+                # Never serve corrupt KV: take the node out of service and compute again.
+                self.scheduler.retract(seq)
+                self.prefix.release(seq)
                 self.store.quarantine(exc.node, str(exc))
             except SharedMiss as exc:
-                # The pool lost a chunk it had (no longer marked held): serve again with what
-                # it still holds whole, publishing the rest back; then without it.
+                self.prefix.release(seq)
                 log.warning("shared pool: %s; serving again", exc)
                 self.shared_fallbacks += 1
                 use_shared = attempt == 0
-        raise RuntimeError("store kept failing CRC checks; giving up on this request")
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self.prefix.release(seq)
+                self.scheduler.fail(seq, exc)
+                return
+        self.scheduler.fail(seq, RuntimeError(
+            "store kept failing CRC checks; giving up on this request"))
 
-    def open_scoring(self, requests: list[Request],
-                     piece_tokens: int = PIECE_TOKENS) -> ScoredPrefill:
-        """The prefill of a scored prompt, to be advanced a piece at a time; `requests`:
-        the choices that share it (the same query, each its own sampling)."""
-        return ScoredPrefill(self, [self._checked(r) for r in requests], piece_tokens)
+    def _first_tokens(self, seqs: list[Sequence], outs: list[tuple], alone: bool = False
+                      ) -> None:
+        """Every sequence's first token goes out before any of them stores its new prefix
+        KV or sets up its decode context (the last one's time to first token is the pass,
+        not also the others' store writes). `alone`: a corrupt node found setting up the
+        decode context is raised (for a retry)."""
+        picked = self.runner.first_tokens(seqs, outs)
+        for seq in seqs:
+            seq.stats.ttft_s = time.perf_counter() - seq.t_start
+            self.prefix.learn(seq)
+        self.scheduler.postprocess(seqs, picked, first=True)
+        for seq, out, first in zip(seqs, outs, picked):
+            self._after_first(seq, out, first, alone)
 
-    def _checked(self, request: Request) -> Request:
-        """The request, refused (UserError) if malformed; its on_token relayed across retries."""
-        if not request.query:
-            raise UserError("a request needs at least one query token")
-        if request.max_new_tokens < 1:
-            raise UserError("max_new_tokens must be at least 1")
-        if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
-            raise UserError("n_pad must leave at least one real prefix token")
-        if request.forced is not None and request.max_new_tokens > 1 and \
-                len(request.forced) < request.max_new_tokens - 1:
-            raise UserError("forced decoding needs max_new_tokens - 1 tokens")
-        if request.on_token is not None:
-            request = dataclasses.replace(request, on_token=_Relay(request.on_token))
-        return request
-
-    def step(self, seqs: list[Sequence]) -> None:
-        """One decode step: the next token of every sequence (none of them done), with
-        each layer's weights used once for all of them."""
-        with self._serving:
-            self.runner.step(seqs)
-
-    def finish(self, seq: Sequence) -> Response:
-        """The response of a sequence (done, or given up by its caller)."""
-        if seq.stored is not None:
-            seq.stored.result()      # its prefix is stored before it is answered
-        stats = seq.stats
-        steps = seq.steps
-        if seq.pages is not None:
-            counters = seq.pages.close()
-            seq.moved = counters.bytes_moved + sum(
-                kv.n for kv in seq.kv if kv is not None) * self.kv_bytes_per_token_layer * steps
-            stats.decode_select_s = counters.select_s
-            stats.index_build_s = counters.build_s
-            stats.index_recall = counters.recall
-        if steps:
-            stats.decode_s_per_token = seq.decode_s / steps
-            stats.decode_bytes_per_step = seq.moved / steps
-        self.runner.side.forget(seq)
-        seq.kv = None     # the context's memory goes now, not with the last reference
-        return Response(seq.tokens, seq.query_logits, seq.step_logits, stats, seq.logprobs,
-                        seq.prompt_scores)
-
-    def _serve(self, req: Request, want_query_logits: bool, recovered: int,
-               use_shared: bool = False) -> Sequence:
-        job = self._open(req, want_query_logits, recovered, use_shared)
+    def _after_first(self, seq: Sequence, out: tuple, first, alone: bool = False) -> None:
+        """The query's logits (when asked), the decode context, the store of the new prefix
+        KV behind the decode steps (its matched prefix stays pinned until then)."""
+        kept, new_kv, _, _ = out
         try:
-            # 2-4. prefill
-            kept, new_kv, tail, out_w = prefill_pass(self.layers, [job.pass_input()])[0]
-            self._first_token(job, tail, out_w)
-            return self._to_decode(job, kept, new_kv)
-        finally:
-            job.release(self)
+            if seq.want_query_logits:
+                seq.query_logits = self.runner.query_logits(out, first)
+            if not seq.finished:
+                if self.config.decode_over == "full" and seq.match is not None and \
+                        seq.match.segments:
+                    kept = self.runner.prefix.full_prefix_context(seq.match.segments, new_kv,
+                                                                  seq.stats, seq.request.n_pad)
+                self.runner.start_decode(seq, kept)
+            self.prefix.close(seq, new_kv)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            self.prefix.release(seq)
+            if alone and isinstance(exc, CorruptNode):
+                raise
+            if not seq.finished:
+                self.scheduler.fail(seq, exc)
+            elif seq.error is None:
+                seq.error = exc
 
-    def _open(self, req: Request, want_query_logits: bool, recovered: int,
-              use_shared: bool = False) -> PrefillJob:
-        """1. match, and the plan: what a prefill pass needs of the request (its matched
-        prefix pinned until the job is released)."""
-        # A prefix another request is storing is matched as if it were stored in line.
-        self.writer.wait_idle()
-        stats = RequestStats(prefix_tokens=len(req.prefix), recovered_from_corruption=recovered,
-                             bytes_read=dict.fromkeys(self.tier_names, 0))
-        use_store = self.store is not None and self.policy.reuse
-        job = PrefillJob(req, want_query_logits, stats, time.perf_counter(),
-                         self.store.reader.counters() if self.planner is not None else None,
-                         None, use_store, use_shared)
+    def _score_piece(self, seq: Sequence) -> None:
+        """The next piece of a scored prompt; after its last, its choices' first tokens."""
         try:
-            if use_store:
-                # An exact reader never sees KV computed over a selection of a prefix.
-                job.match = self.store.match_prefix(req.prefix, namespace=req.namespace,
-                                                    exact_only=self.policy.exact_reads)
-            segments_nodes = job.match.segments if job.match else []
-            matched = sum(u for _, u in segments_nodes)
-            stats.matched_tokens = matched
-            stats.match_s = time.perf_counter() - job.t_start
-            # The prefix tokens right after the matched ones may be in the shared pool.
-            given = self.shared.open(req.prefix, matched, stats, tenant=req.namespace) \
-                if use_shared and use_store else None
-            n_given = given.n_tokens if given is not None else 0
-            new_ids = list(req.prefix[matched + n_given:]) + list(req.query)
-            stats.prefix_bytes = matched * self.stored_bytes_per_token_layer * \
-                self.math.n_layers
-            # Load the matched prefix, recompute it, or recompute its front while the rest
-            # loads: `front` tokens are recomputed.
-            front = self._choose_plan(segments_nodes, matched, len(new_ids), stats)
-            stats.computed_tokens = len(new_ids) + front
-            if front >= matched:
-                segments_nodes = []      # nothing left to load
-        except BaseException:
-            job.release(self)
-            raise
-        job.segments_nodes, job.matched, job.given, job.n_given = \
-            segments_nodes, matched, given, n_given
-        job.new_ids, job.front = new_ids, front
-        if self.policy.exact_reads:     # what a store keeps: canonical calls (canonical.py)
-            chunk = self.store.config.chunk_size if self.store is not None else CHUNK_SIZE
-            job.canonical_end = len(req.prefix) // chunk * chunk
-        return job
+            if seq.stats is None:
+                self.prefix.open(seq)     # nothing to match: it has no prefix
+            if not self.runner.score_piece(seq, self.scheduler.should_pause):
+                return
+            seqs = self.scheduler.scored(seq)
+            scoring = seq.scoring
+            out, scoring.last = scoring.last, None
+            scores = TokenScores.cat(scoring.parts, scoring.k)
+            scoring.parts = []
+            for choice in seqs[1:]:
+                choice.stats = dataclasses.replace(
+                    seq.stats, bytes_read=dict(seq.stats.bytes_read),
+                    jaccard=list(seq.stats.jaccard))
+                choice.t_start, choice.disk_before = seq.t_start, seq.disk_before
+            for s in seqs:
+                s.prompt_scores = scores
+            self._first_tokens(seqs, [out] * len(seqs))
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            log.info("scoring a prompt failed: %s", exc)
+            self.runner.close_piece(seq)
+            self.prefix.release(seq)
+            for s in [seq, *seq.choices]:
+                if not s.finished:
+                    self.scheduler.fail(s, exc)
 
-    def _first_token(self, job: PrefillJob, tail, out_w) -> None:
-        """4. the first token from the last hidden state; streamed now."""
-        req, stats = job.req, job.stats
-        with stats.timer("compute_s"):
-            on_device = self.math.logits(out_w, tail[-1:])
-            logits = on_device.cpu()
-        sampler = Sampler(req.sampling)
-        first = sampler.pick(logits[-1])
-        if req.logprobs is not None:
-            job.first_scores = step_scores(on_device, [0], [first], [req.logprobs])
-        stats.ttft_s = time.perf_counter() - job.t_start
-        if job.disk_before is not None and job.matched and job.learn:
-            self._learn(stats, job.disk_before, job.matched)
-        # The first token goes out now; storing the prefix (5.) follows either way.
-        job.going = first not in sampler.stop_token_ids and \
-            (req.on_token is None or req.on_token(first) is not False)
-        if job.want_query_logits and len(tail) > 1:   # for checks, after the first token
-            logits = torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), logits])
-        job.sampler, job.first, job.logits = sampler, first, logits
+    # -- decode ------------------------------------------------------------------------------
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One decode step; a failure fails the whole batch (the loop goes on)."""
+        if not seqs:
+            return
+        try:
+            picked = self.runner.decode(seqs)
+        except Exception as exc:  # noqa: BLE001 - the batch fails together
+            log.exception("decode step failed")
+            for seq in seqs:
+                self.scheduler.fail(seq, exc)
+            return
+        self.scheduler.postprocess(seqs, picked)
 
-    def _to_decode(self, job: PrefillJob, kept, new_kv) -> Sequence:
-        """6. the request's decode context; 5. its new prefix KV handed to the store writer,
-        which stores it while the request decodes (its matched prefix stays pinned until
-        then; `finish` waits for it)."""
-        req, stats = job.req, job.stats
-        # 6. decode: a sequence, stepped by serve() alone or by a scheduler in a batch
-        logits = job.logits
-        seq = Sequence(req, job.sampler, stats, [job.first],
-                       [logits[-1].clone()] if req.keep_logits else [],
-                       logits if job.want_query_logits else None,
-                       position=len(req.prefix) + len(req.query), logprobs=job.first_scores)
-        if job.going and req.max_new_tokens > 1:
-            if self.config.decode_over == "full" and job.match is not None and \
-                    job.match.segments:
-                kept = self.prefix.full_prefix_context(job.match.segments, new_kv, stats,
-                                                       req.n_pad)
-            self._start_decode(seq, kept)
-        else:
-            seq.done = True
-        if job.use_store and self.policy.store_new:
-            match, job.match = job.match, None
-            seq.stored = self.writer.submit(lambda: self._store_job(job, new_kv, match))
+    def _respond(self, seq: Sequence) -> Sequence:
+        """A finished sequence's response (once): its prefix stored first, its decode
+        statistics, its context's memory released."""
+        if seq.response is not None or seq.error is not None:
+            if seq.error is not None and seq.pages is not None:
+                try:
+                    seq.pages.close()      # its selector's threads, when it failed mid-way
+                except Exception:  # noqa: BLE001 - the error that counts is seq.error
+                    log.debug("closing a failed request's pages", exc_info=True)
+                seq.pages = None
+            return seq
+        try:
+            if seq.stored is not None:
+                seq.stored.result()      # its prefix is stored before it is answered
+            stats, steps = seq.stats, seq.steps
+            if seq.pages is not None:
+                counters = seq.pages.close()
+                seq.moved = counters.bytes_moved + sum(
+                    kv.n for kv in seq.kv if kv is not None) * \
+                    self.kv_bytes_per_token_layer * steps
+                stats.decode_select_s = counters.select_s
+                stats.index_build_s = counters.build_s
+                stats.index_recall = counters.recall
+            if steps:
+                stats.decode_s_per_token = seq.decode_s / steps
+                stats.decode_bytes_per_step = seq.moved / steps
+            self.runner.side.forget(seq)
+            seq.kv = None     # the context's memory goes now, not with the last reference
+            seq.response = Response(seq.tokens, seq.query_logits, seq.step_logits, stats,
+                                    seq.logprobs, seq.prompt_scores)
+        except Exception as exc:  # noqa: BLE001 - answered with the error
+            seq.error = exc
         return seq
 
-    def _store_job(self, job: PrefillJob, new_kv, match) -> None:
-        """5. on the writer thread: store the new prefix KV, then unpin the matched prefix.
-        A failure leaves the prefix unstored; the request itself has its tokens."""
-        try:
-            with job.stats.timer("store_s"):
-                self._store_new(job.req, job.matched, job.n_given, new_kv, job.stats,
-                                job.use_shared)
-        except CorruptNode as exc:
-            # A node it had to split failed its CRC check: out of service, as on a read.
-            self.store.quarantine(exc.node, str(exc))
-            log.warning("prefix not stored: %s", exc)
-        except Exception as exc:  # noqa: BLE001 - storing is best effort for this request
-            log.warning("prefix not stored: %s", exc, exc_info=True)
-        finally:
-            if match is not None:
-                self.store.release(match)
-
-    def _store_new(self, req: Request, matched: int, n_given: int, new_kv, stats,
-                   use_shared: bool) -> None:
-        """The prefix's new whole chunks into the store, then (exact KV only) the pool."""
-        n_prefix_new = len(req.prefix) - matched
-        if n_prefix_new < self.store.config.chunk_size:
-            return
-        if n_given and not self.shared.keyed:
-            # KV from a pool without a secret is unauthenticated (whoever can write to the
-            # pool can forge it with a valid CRC): it served this request, but neither it
-            # nor what was computed over it becomes local state. The chunks computed here
-            # still go to the pool, which gave the rest.
-            self.shared_unstored += 1
-            if self.shared_unstored == 1:
-                log.warning("shared pool without a secret: prefixes read from it are used "
-                            "but not stored locally")
-        else:
-            prefix_kv = [(k[:, :n_prefix_new], v[:, :n_prefix_new]) for k, v in new_kv]
-            try:
-                self.store.insert(req.prefix, matched, prefix_kv, namespace=req.namespace,
-                                  exact=stats.exact)
-            except StoreWriteFailed as exc:
-                log.warning("prefix not stored: %s", exc)
-                return
-        if use_shared and stats.exact:
-            # Durable here first; then shared (write-through, in the background): the
-            # chunks the pool did not give us. Only exact KV is shared: the pool keeps no
-            # flag.
-            self.shared.publish(req.prefix, matched + n_given,
-                                [(k[:, n_given:n_prefix_new], v[:, n_given:n_prefix_new])
-                                 for k, v in new_kv], tenant=req.namespace)
-
-    def _start_decode(self, seq: Sequence, kept) -> None:
-        """The sequence's decode context: pages of a decode-phase policy, or per layer the
-        kept K, V and mask with room for the tokens to come."""
-        t0 = time.perf_counter()
-        seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-        extra = seq.request.max_new_tokens - 1
-        group = self.math.n_head // self.math.n_kv_head
-        seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                  decode_context(*kept[layer], extra, group, self.rt.policy)
-                  for layer in range(self.math.n_layers)]
-        seq.decode_s = time.perf_counter() - t0
-
-    # -- plan -------------------------------------------------------------------------------
-    def _choose_plan(self, segments_nodes, matched: int, n_new: int, stats) -> int:
-        """How many leading prefix tokens to recompute rather than load (0: load all)."""
-        mode = self.config.plan
-        if not segments_nodes or mode == "load":
-            stats.plan, stats.plan_split = "load", 0
-            stats.plan_reason = "forced" if segments_nodes else "no-match"
-            return 0
-        if mode == "recompute":
-            stats.plan, stats.plan_split = "recompute", matched // self.store.config.chunk_size
-            stats.plan_reason = "forced"
-            return matched
-        with stats.timer("plan_s"):
-            plan = self.planner.choose(mode, segments_nodes, matched, n_new)
-        stats.plan, stats.plan_split = plan.mode, plan.split_chunks
-        stats.plan_reason = getattr(plan, "reason", "predicted")
-        stats.predicted_ttft_s = plan.predicted_s
-        return plan.split_chunks * self.store.config.chunk_size
-
-    def _learn(self, stats, disk_before, matched: int) -> None:
-        """Feed the planner what this request's reads and time to first token showed."""
-        read, busy = self.store.reader.counters()
-        loaded = 2 * self.math.n_layers * (matched // self.store.config.chunk_size -
-                                           stats.plan_split)
-        self.planner.observe(stats, read - disk_before[0], busy - disk_before[1], loaded)
-
+    # -- the planner's measure ---------------------------------------------------------------
     def measure_prefill(self, n: int, ctx: int = 0) -> float:
         """Seconds to prefill n tokens over ctx earlier ones (their KV given, no I/O) and
         take the first token: one point of the planner's prefill curve."""
         vocab = self.rt.spec.config.vocab_size
         ids = np.random.default_rng(n * 7919 + ctx).integers(10, vocab, n).tolist()
-        stats = RequestStats()
-        given = ContextKV(ctx, self.math.n_kv_head, self.math.head_dim) if ctx else None
-        with self._serving:
+        seq = Sequence(Request([], ids), stats=RequestStats(), new_ids=ids)
+        if ctx:
+            seq.given = ContextKV(ctx, self.math.n_kv_head, self.math.head_dim)
+        with self.lock:
             t0 = time.perf_counter()
-            _, _, tail, out_w = self.layers.prefill(ids, 0, [], stats, n_hidden=1, given=given)
+            (_, _, tail, out_w), = self.runner.prefill([seq])
             self.math.logits(out_w, tail[-1:]).cpu()
             return time.perf_counter() - t0
-
-    # -- the batch runner's layer pieces (decode steps share them with prefill) ------
-    def _weights(self, j: int, stats: RequestStats):
-        return self.layers.weights(j, stats)
-
-    def _mlp(self, j: int, hidden, stats) -> None:
-        self.layers.mlp(j, hidden, stats)
-
-    def _attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
-        return self.layers.attend(q, keys, values, mask, causal_tail, front)
-
-
-class _Relay:
-    """A request's on_token across the retries of serve(): a retry after corrupt KV was
-    found recomputes from the start and produces the same tokens again (greedy, or the same
-    seed); only those past what the caller already has are passed on."""
-
-    def __init__(self, on_token: Callable[[int], bool]):
-        self.on_token = on_token
-        self.sent = 0      # tokens passed on, over all attempts
-        self.at = 0        # tokens produced in this attempt
-
-    def restart(self) -> None:
-        self.at = 0
-
-    def __call__(self, token: int) -> bool:
-        self.at += 1
-        if self.at <= self.sent:
-            return True
-        self.sent = self.at
-        return self.on_token(token)
-

@@ -19,8 +19,9 @@ from policies import LayerContext, LayerPlan, Segment, ServingPolicy
 from policies.base import chunks_holding, join_chunks, tokens_of_chunks
 
 from ..store import PrefixStore
-from .readahead import LayerLoader
+from ..tiers import ChunkLoad
 from .family import FamilyMath
+from .layer_io import LayerLoader
 
 
 class PrefixKV:
@@ -47,9 +48,12 @@ class PrefixKV:
         loader = ahead.loader(layer)
         segments = loader.segments
         at = self.select_device
+        # The probe keys were read ahead (while the layer before computed): the policy is
+        # handed them, and waits here only for what is left of that read.
+        probe = loader.read_probe() if ahead.probes(layer) else None
         ctx = LayerContext(layer, q[0].to(at, torch.float32), k_new[0].to(at, torch.float32),
                            segments, self.config, self.probe_heads, self.probe_kv_heads,
-                           loader.read_probe, loader.load, n_pad=n_pad, front=front)
+                           probe, loader.load, n_pad=n_pad, front=front)
         # The policy's probe reads and loads are counted as I/O, not as selection (on a GPU
         # the timer waits for the device: scoring a policy does not use is still paid).
         with stats.timer("select_s", exclude=("probe_s", "load_s"), sync=at):
@@ -142,7 +146,9 @@ class PrefixKV:
                 ids = seg.all_chunks()
                 rows, _ = tokens_of_chunks(seg, ids)
                 for kind, out in (("k", ks), ("v", vs)):
-                    chunks, _ = self.store.load_chunks(seg.entry, kind, ids, seg.node)
+                    chunks, _ = self.store.tiers.wait(self.store.tiers.submit(
+                        ChunkLoad(seg.entry, {kind: ids}, node=seg.node)))
+                    chunks = chunks[kind]
                     joined = join_chunks(chunks, self.device)
                     out.append(joined[:, torch.from_numpy(rows).to(self.device)]
                                .to(self.dtype))

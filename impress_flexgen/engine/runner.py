@@ -1,57 +1,99 @@
-"""The layer pieces of a prefill over FlexGen's weight buffers: each layer's weights placed
-by FlexGen's policy, the embedding, attention, the MLP. The layer loop itself, for one
-request or several together, is batch_prefill.prefill_pass.
+"""The model's layer loops over FlexGen's weight buffers: a prefill pass over the new tokens
+of several sequences, and a decode step of a batch. Nothing else runs the layers.
 
-    runner = LayerRunner(runtime, math, prefix, device, dtype)
-    kept, new_kv, tail, out_w = runner.prefill(new_ids, matched, segments_nodes, stats, 1)
+    outs = runner.prefill(seqs)           # per sequence (kept, new_kv, last hidden, out_w)
+    firsts = runner.first_tokens(seqs, outs)
+    picked = runner.decode(seqs)          # one token per sequence
+
+Each FlexGen layer is brought by `load_weights(j)` (FlexGen's placement decides from where:
+GPU, CPU or disk), then computed: the embedding (j = 0), per transformer layer its attention
+(odd j) and its MLP (even j), and the output layer that makes logits. Both loops do this in
+the same order; a prefill pass and a decode step each bring a layer's weights once for all
+their sequences (with offloaded weights, what batching shares).
+
+A prefill pass lays its sequences' new tokens side by side, (1, N, hidden); projections and
+MLP run once over all of them, each sequence's attention on its own (lane.py). A pass runs
+a layer at a time and may stop between two layers (`pause`: a scored prompt's piece waits
+there while another request's pass runs) and go on later. The decode step runs projections,
+the MLP and the logits on the (B, 1, hidden) batch and each sequence's attention over its
+own context, side by side in one call (attention.SideBySide) or one at a time.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
 
 import torch
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
-from .batch_prefill import PassInput, prefill_pass
 from ..models.base import dense
 from ..request import RequestStats
 from ..runtime import Runtime
-from .attention import attend
+from ..sampling import Sampler
+from ..scores import score_hidden, step_scores
+from .attention import SideBySide, attend, attend_context, plan_rows
 from .family import FamilyMath
+from .lane import Lane
 from .prefix_kv import PrefixKV
+from .sequence import PiecesKV, decode_context
 
 
-class LayerRunner:
-    def __init__(self, runtime: Runtime, math: FamilyMath, prefix: PrefixKV, device, dtype):
+@dataclasses.dataclass
+class Picked:
+    """A token the runner picked for a sequence: the token, the copy of its logits row the
+    request keeps (keep_logits), its (token, lp, top k) scores (logprobs), and for a first
+    token its (1, vocab) logits on the host (query logits are made after it)."""
+
+    token: int
+    row: torch.Tensor | None = None
+    scores: tuple | None = None
+    logits: torch.Tensor | None = None
+
+
+class PrefillPass:
+    """A prefill pass in progress: its lanes, the hidden states of all their rows, its row
+    groups (canonical tiles), and the next layer to run."""
+
+    def __init__(self, lanes: list[Lane], hidden: ValueHolder, groups: list):
+        self.lanes, self.hidden, self.groups = lanes, hidden, groups
+        self.layer = 0
+
+    def spent(self, field: str, seconds: float) -> None:
+        """Time spent once for the whole pass counts in every sequence's stats."""
+        for lane in self.lanes:
+            setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+
+
+class Runner:
+    def __init__(self, runtime: Runtime, math: FamilyMath, prefix: PrefixKV, device, dtype,
+                 kv_bytes_per_token_layer: int):
         self.model = runtime.model
+        self.flex_policy = runtime.policy   # FlexGen's: compress_cache decides the context
         self.compute = self.model.layers[0].compute
         self.math = math
         self.prefix = prefix
         self.store, self.policy = prefix.store, prefix.policy
         self.device, self.dtype = device, dtype
+        # Decode steps count the KV they move in fp16 bytes (RequestStats).
+        self.kv_bytes_per_token_layer = kv_bytes_per_token_layer
+        self.group = math.n_head // math.n_kv_head
+        # SDPA on a CPU has no half-precision kernel worth using: decode attends in float32.
+        self.work = torch.float32 if device.type == "cpu" else None
+        self.side = SideBySide()
+        self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
 
-    def prefill(self, new_ids, matched, segments_nodes, stats, n_hidden, n_pad=0,
-                front_ids=(), given=None):
-        """Run all layers over the new tokens of one request (batch_prefill.prefill_pass,
-        which runs several together); returns per-layer decode context, per-layer (K, V)
-        of positions matched.. (the given part, then the new tokens), the final hidden
-        states of the last `n_hidden` positions and the output weights that turn them into
-        logits.
-
-        `front_ids`: the first prefix tokens, recomputed with the new ones instead of
-        loaded (the "both" plan): they attend to each other only. `given`: KV of the
-        prefix tokens right after the matched ones, from the shared pool (attended in full)."""
-        return prefill_pass(self, [PassInput(new_ids, matched, segments_nodes, stats, n_hidden,
-                                             n_pad, front_ids, given)])[0]
-
-    # -- layer pieces ---------------------------------------------------------------------
-    def attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
-        """`attention.attend` with this model's head grouping on the compute device."""
-        return attend(q, keys, values, mask, causal_tail, front,
-                      group=self.math.n_head // self.math.n_kv_head, device=self.device)
-
-    def weights(self, j: int, stats: RequestStats):
+    # -- the weights of one layer --------------------------------------------------------------
+    def load_weights(self, j: int, stats: RequestStats):
         """Bring layer j's weights to the compute device (FlexGen's placement decides from
-        where) and return them as plain tensors."""
+        where) and return them as plain tensors (None for the embedding and the MLP layers,
+        whose FlexGen forward takes them from its buffer)."""
         with stats.timer("weights_s"):
             layer = self.model.layers[j]
             layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
@@ -59,11 +101,154 @@ class LayerRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         if j % 2 == 0:
-            return None  # embedding (0) and MLP (even) layers consume their buffer in forward()
+            return None
         return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
 
-    def embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self.weights(0, stats)
+    def _pass_weights(self, p: PrefillPass, j: int):
+        timing = RequestStats()
+        weights = self.load_weights(j, timing)
+        p.spent("weights_s", timing.weights_s)
+        return weights
+
+    # -- prefill ---------------------------------------------------------------------------
+    def prefill(self, seqs: list) -> list[tuple]:
+        """Every layer over the new tokens of `seqs`; per sequence its per-layer decode
+        context, its per-layer (K, V) of positions matched.. (given, then new), the final
+        hidden states of its last `n_hidden` positions, and the output weights."""
+        p = self.start_pass(seqs)
+        try:
+            self.run_pass(p)
+        finally:
+            p.close()
+        return self.finish_pass(p)
+
+    def start_pass(self, seqs: list, piece: tuple[int, int] | None = None) -> PrefillPass:
+        """A pass over `seqs` (or one scored prompt's `piece`), embedded, its reads started."""
+        lanes = []
+        # Sequences that matched the same node read its probe keys once (a burst on one
+        # system prompt reads them once, not once per request).
+        shared_probes = {} if len(seqs) > 1 else None
+        try:
+            for seq in seqs:
+                lanes.append(Lane(self, seq, shared_probes, piece))
+            parts = []
+            for lane in lanes:
+                hidden = self._embed(lane.new_ids, lane.total, lane.stats)
+                if lane.front:
+                    head = self._embed(list(lane.front_ids), lane.front, lane.stats)
+                    hidden.val = TorchTensor.create_from_torch(
+                        torch.cat([head.val.data, hidden.val.data], dim=1), self.compute)
+                lane.lo = sum(part.shape[1] for part in parts)
+                parts.append(hidden.val.data)
+                lane.hi = lane.lo + hidden.val.data.shape[1]
+            if len(parts) > 1:
+                hidden.val = TorchTensor.create_from_torch(torch.cat(parts, dim=1), self.compute)
+            groups, rows = plan_rows([(lane.lo, lane.positions[0], lane.canonical_end)
+                                      for lane in lanes], lanes[-1].hi, self.device)
+        except BaseException:
+            for lane in lanes:
+                lane.close()
+            raise
+        for lane, lane_rows in zip(lanes, rows):
+            lane.rows = lane_rows
+        for group in groups:
+            group.rope = self.math.rope(group.positions, hidden.val.data.dtype)
+        return PrefillPass(lanes, hidden, groups)
+
+    def run_pass(self, p: PrefillPass, pause: Callable[[], bool] | None = None) -> bool:
+        """Run the pass's layers; False when `pause()`, asked after each layer, stopped it
+        there (the next call goes on from the next layer)."""
+        for layer in range(p.layer, self.math.n_layers):
+            # The next layer's probe keys, and the chunks it is expected to load, are read
+            # while this layer computes.
+            for lane in p.lanes:
+                lane.read_ahead(layer + 1)
+            self._prefill_attention(p, layer, self._pass_weights(p, 1 + 2 * layer))
+            self._pass_weights(p, 2 + 2 * layer)
+            self._prefill_mlp(p, 2 + 2 * layer)
+            p.layer = layer + 1
+            if pause is not None and pause():
+                return False
+        return True
+
+    def finish_pass(self, p: PrefillPass) -> list[tuple]:
+        """Per lane (kept, new_kv, last hidden states, output weights), once run."""
+        out_w = self._pass_weights(p, len(self.model.layers) - 1)
+        data = p.hidden.val.data
+        out = []
+        for lane in p.lanes:
+            lane.stats.layers = self.math.n_layers
+            out.append((lane.kept, lane.new_kv, data[0, lane.hi - lane.n_hidden:lane.hi],
+                        out_w))
+        return out
+
+    def _prefill_attention(self, p: PrefillPass, layer: int, weights) -> None:
+        """Project every row (together), each lane's attention (its own), then the output
+        projection and residual (together); "together" is one call per row group (one,
+        unless an exact policy's rows go by canonical tiles)."""
+        t0 = time.perf_counter()
+        x = p.hidden.val.data
+        q, k_new, v_new = self._qkv(weights, x, p.groups)
+        p.spent("compute_s", time.perf_counter() - t0)
+        attn = [lane.attend(self, layer, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
+                            v_new[:, :, lane.lo:lane.hi]) for lane in p.lanes]
+        t0 = time.perf_counter()
+        attn = attn[0] if len(attn) == 1 else torch.cat(attn, dim=2)
+        p.hidden.val = TorchTensor.create_from_torch(self._out(weights, attn, x, p.groups),
+                                                     self.compute)
+        p.spent("compute_s", time.perf_counter() - t0)
+
+    def _prefill_mlp(self, p: PrefillPass, j: int) -> None:
+        """The MLP of every row, one call per row group, over the weights brought once."""
+        t0 = time.perf_counter()
+        groups = p.groups
+        if len(groups) == 1 and groups[0].index is None:
+            self._forward(j, p.hidden)
+        else:
+            buf = self.model.weight_read_buf[j]
+            held = buf.val
+            x = p.hidden.val.data
+            out = torch.empty_like(x)
+            for g in groups:
+                if buf.val is None:          # the layer's forward takes the weights out
+                    buf.store(held)
+                part = ValueHolder()
+                part.store(TorchTensor.create_from_torch(g.gather(x, 1), self.compute))
+                self._forward(j, part)
+                g.scatter(out, part.val.data, 1)
+            p.hidden.val = TorchTensor.create_from_torch(out, self.compute)
+        p.spent("compute_s", time.perf_counter() - t0)
+
+    def _qkv(self, weights, x, groups):
+        """q, k, v of every row, one call per group (attention.plan_rows)."""
+        if len(groups) == 1 and groups[0].index is None:
+            return self.math.qkv(weights, x, groups[0].positions, groups[0].rope)
+        out = None
+        for g in groups:
+            parts = self.math.qkv(weights, g.gather(x, 1), g.positions, g.rope)
+            if out is None:
+                out = [part.new_empty(*part.shape[:2], x.shape[1], part.shape[3])
+                       for part in parts]
+            for whole, part in zip(out, parts):
+                g.scatter(whole, part, 2)
+        return out
+
+    def _out(self, weights, attn, x, groups):
+        """The output projection and residual of every row, one call per group."""
+        if len(groups) == 1 and groups[0].index is None:
+            return self.math.out(weights, attn, x)
+        out = torch.empty_like(x)
+        for g in groups:
+            g.scatter(out, self.math.out(weights, g.gather(attn, 2), g.gather(x, 1)), 1)
+        return out
+
+    def attend(self, q, keys, values, mask, causal_tail: int, front: int = 0) -> torch.Tensor:
+        """`attention.attend` with this model's head grouping on the compute device."""
+        return attend(q, keys, values, mask, causal_tail, front, group=self.group,
+                      device=self.device)
+
+    def _embed(self, ids, total_len: int, stats) -> ValueHolder:
+        self.load_weights(0, stats)
         with stats.timer("compute_s"):
             hidden, mask = ValueHolder(), ValueHolder()
             hidden.store(TorchTensor.create_from_torch(
@@ -74,28 +259,159 @@ class LayerRunner:
                                          None, 0, 0)
         return hidden
 
-    def mlp(self, j: int, hidden: ValueHolder, stats) -> None:
-        self.weights(j, stats)
-        with stats.timer("compute_s"):
-            self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], None,
-                                         None, 0, 0)
+    def _forward(self, j: int, hidden: ValueHolder, mask: ValueHolder | None = None) -> None:
+        """FlexGen's own forward of layer j (the embedding, an MLP) over its loaded buffer."""
+        self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], mask, None,
+                                     0, 0)
 
-    def mlp_rows(self, j: int, hidden: ValueHolder, groups, stats) -> None:
-        """The MLP of every row, one call per row group (canonical.RowGroup), with the
-        weights brought once."""
-        if len(groups) == 1 and groups[0].index is None:
-            return self.mlp(j, hidden, stats)
-        self.weights(j, stats)
-        buf = self.model.weight_read_buf[j]
-        held = buf.val
-        x = hidden.val.data
-        out = torch.empty_like(x)
-        with stats.timer("compute_s"):
-            for g in groups:
-                if buf.val is None:          # the layer's forward takes the weights out
-                    buf.store(held)
-                part = ValueHolder()
-                part.store(TorchTensor.create_from_torch(g.gather(x, 1), self.compute))
-                self.model.layers[j].forward(part, None, buf, None, None, 0, 0)
-                g.scatter(out, part.val.data, 1)
-        hidden.val = TorchTensor.create_from_torch(out, self.compute)
+    # -- tokens from a prefill ---------------------------------------------------------------
+    def first_tokens(self, seqs: list, outs: list[tuple]) -> list[Picked]:
+        """Each sequence's first token from its last hidden state (its sampler made now: a
+        retry picks the same), with its logprobs when asked."""
+        picked = []
+        for seq, (_, _, tail, out_w) in zip(seqs, outs):
+            req = seq.request
+            with seq.stats.timer("compute_s"):
+                on_device = self.math.logits(out_w, tail[-1:])
+                logits = on_device.cpu()
+            seq.sampler = Sampler(req.sampling)
+            token = seq.sampler.pick(logits[-1])
+            scores = step_scores(on_device, [0], [token], [req.logprobs])[0] \
+                if req.logprobs is not None else None
+            row = logits[-1].clone() if req.keep_logits else None
+            picked.append(Picked(token, row, scores, logits))
+        return picked
+
+    def query_logits(self, out: tuple, first: Picked) -> torch.Tensor:
+        """The logits of every query position (checks): those before the last, then the
+        first token's."""
+        _, _, tail, out_w = out
+        if len(tail) > 1:
+            return torch.cat([self.math.logits(out_w, tail[:-1]).cpu(), first.logits])
+        return first.logits
+
+    def score_piece(self, seq, pause: Callable[[], bool] | None = None) -> bool:
+        """Prefill a scored prompt's next piece (or go on with the one paused) and score its
+        rows; True once the whole prompt is in."""
+        scoring = seq.scoring
+        lo = scoring.done
+        hi = lo + scoring.next_piece
+        if scoring.paused is None:
+            scoring.paused = self.start_pass([seq], piece=(lo, hi))
+        p = scoring.paused
+        try:
+            if not self.run_pass(p, pause):
+                return False
+        except BaseException:
+            self.close_piece(seq)
+            raise
+        p.close()
+        scoring.paused = None
+        (kept, new_kv, tail, out_w), = self.finish_pass(p)
+        ids = scoring.ids
+        # Row i predicts token lo + i + 1; the prompt's last row predicts the first new
+        # token (the choices' own), not a prompt token.
+        rows = hi - lo if hi < len(ids) else hi - lo - 1
+        if rows:
+            with seq.stats.timer("compute_s"):
+                scoring.parts.append(score_hidden(
+                    functools.partial(self.math.logits, out_w), tail[:rows],
+                    ids[lo + 1:lo + 1 + rows], scoring.k, scoring.piece))
+        scoring.done = hi
+        if scoring.finished:
+            scoring.context, scoring.last = None, (kept, new_kv, tail[-1:], out_w)
+        else:
+            scoring.context = PiecesKV(new_kv)
+        return scoring.finished
+
+    def close_piece(self, seq) -> None:
+        """Give up a scored prompt's piece under way (its reads waited for)."""
+        scoring = seq.scoring
+        if scoring is not None and scoring.paused is not None:
+            scoring.paused.close()
+        if scoring is not None:
+            scoring.paused = scoring.context = scoring.last = None
+
+    # -- decode ------------------------------------------------------------------------------
+    def start_decode(self, seq, kept) -> None:
+        """The sequence's decode context: pages of a decode-phase policy, or per layer the
+        kept K, V and mask with room for the tokens to come."""
+        t0 = time.perf_counter()
+        seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
+        extra = seq.request.max_new_tokens - 1
+        seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
+                  decode_context(*kept[layer], extra, self.group, self.flex_policy)
+                  for layer in range(self.math.n_layers)]
+        seq.decode_s = time.perf_counter() - t0
+
+    def decode(self, seqs: list) -> list[Picked]:
+        """One decode step: feed each sequence its next input and pick its next token, with
+        each layer's weights brought once for all of them."""
+        t0 = time.perf_counter()
+        stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
+        ids = [s.next_input() for s in seqs]
+        pos = [s.position + s.steps for s in seqs]
+        hidden = self._embed_batch(ids, pos, stats)
+        positions = torch.tensor(pos, device=self.device)[:, None]
+        rope = self.math.rope(positions, hidden.val.data.dtype)
+        side = self.side if self.side_by_side and self.side.hold(seqs, self.math.n_head) \
+            else None
+        for layer in range(self.math.n_layers):
+            weights = self.load_weights(1 + 2 * layer, stats)
+            x = hidden.val.data
+            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
+            if side is not None:
+                attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
+            else:
+                outs = [self._decode_attention(s, layer, q[i:i + 1], k_new[i], v_new[i])
+                        for i, s in enumerate(seqs)]
+                attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                       self.compute)
+            self.load_weights(2 + 2 * layer, stats)
+            with stats.timer("compute_s"):
+                self._forward(2 + 2 * layer, hidden)
+        out_w = self.load_weights(len(self.model.layers) - 1, stats)
+        on_device = self.math.logits(out_w, hidden.val.data[:, -1])
+        logits = on_device.cpu()
+        elapsed = time.perf_counter() - t0
+        picked = []
+        for i, s in enumerate(seqs):
+            s.decode_s += elapsed
+            if s.pages is None:
+                s.moved += sum(kv.n for kv in s.kv) * self.kv_bytes_per_token_layer
+            # The row is a view of the step's (batch, vocab) logits: kept only as a copy,
+            # and only when asked for, so that no step's logits outlive the step.
+            row = logits[i].clone() if s.request.keep_logits else None
+            picked.append(Picked(s.sampler.pick(logits[i]), row))
+        # The log-probabilities asked for: one call for every such row of the batch, on the
+        # device; each sequence keeps numbers, not the step's (batch, vocab) logits.
+        scored = [i for i, s in enumerate(seqs) if s.request.logprobs is not None]
+        if scored:
+            rows = step_scores(on_device, scored, [picked[i].token for i in scored],
+                               [seqs[i].request.logprobs for i in scored])
+            for i, row in zip(scored, rows):
+                picked[i].scores = row
+        return picked
+
+    def _embed_batch(self, ids: list[int], pos: list[int], stats) -> ValueHolder:
+        """The inputs' embeddings at their own positions. The mask is what FlexGen's input
+        layer derives positions from (OPT): row b ends with pos[b] + 1 ones."""
+        self.load_weights(0, stats)
+        dev = self.device
+        total = max(pos) + 1
+        need = torch.tensor(pos, device=dev)[:, None] + 1
+        mask = torch.arange(total, device=dev)[None] >= total - need
+        hidden, held = ValueHolder(), ValueHolder()
+        hidden.store(TorchTensor.create_from_torch(
+            torch.tensor(ids, dtype=torch.int64, device=dev)[:, None], self.compute))
+        held.store(TorchTensor.create_from_torch(mask, self.compute))
+        self._forward(0, hidden, held)
+        return hidden
+
+    def _decode_attention(self, s, layer: int, q, k_new, v_new) -> torch.Tensor:
+        """q (1, H, 1, d) of one sequence's new token over its context plus itself."""
+        if s.pages is not None and s.pages.handles(layer):
+            keys, values, mask = s.pages.attend_set(layer, q[0, :, 0], k_new, v_new)
+            return self.attend(q, keys, values, mask, causal_tail=1)
+        return attend_context(s.kv[layer], q, k_new, v_new, self.work, self.group > 1)

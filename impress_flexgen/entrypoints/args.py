@@ -156,18 +156,24 @@ def remote_url_arg(text: str) -> str:
 
 
 def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
-                     cpu_cache_default: str):
+                     cpu_cache_default: str, default_policy: tuple[str, str] | None = None):
     """The flags that choose a policy and shape its store, tiers and placement, shared by
-    the main job and the server; returns the two argument groups (serving, tiers)."""
+    the main job and the server; returns the two argument groups (serving, tiers).
+    `default_policy`: (name, why) when not impress."""
     from policies import POLICY_NAMES
 
     from ..planner import PLANS
     from ..store.config import CHUNK_SIZE
 
     g = p.add_argument_group("serving")
-    g.add_argument("--policy", default="impress",
-                   help=f"{', '.join(POLICY_NAMES)}; impress:itf / impress:itf_ro / impress:all "
-                        "pick an ablation (default impress = impress:all)")
+    policy_help = f"{', '.join(POLICY_NAMES)}; impress:itf / impress:itf_ro / impress:all " \
+        "pick an ablation"
+    if default_policy is None:
+        g.add_argument("--policy", default="impress",
+                       help=policy_help + " (default impress = impress:all)")
+    else:
+        g.add_argument("--policy", default=default_policy[0],
+                       help=f"{policy_help}; default {default_policy[0]} ({default_policy[1]})")
     g.add_argument("--retention", type=finite_float(0, 1, low_open=True), default=0.25,
                    help="fraction of prefix kept, in (0, 1] (0.25)")
     g.add_argument("--granularity", choices=("chunk", "token"), default="chunk",

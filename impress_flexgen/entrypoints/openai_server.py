@@ -84,13 +84,10 @@ def parse_args(argv):
                        description="An OpenAI-compatible server whose prompts reuse a "
                                    "persistent multi-tier prefix KV store.")
     add_model_args(p, default_model="smollm2-135m")
-    add_serving_args(p, "default 256 MiB", "default 1 GiB")
     # Exact by default: an answer never depends on whether its prefix was stored. The
     # selective policies (impress and the rest) trade accuracy for bytes and are opt-in.
-    policy = p._option_string_actions["--policy"]
-    policy.default = "full"
-    policy.help = policy.help.split("(default")[0].rstrip("; ") + \
-        "; default full (exact: the whole stored KV, through the tiers and the planner)"
+    add_serving_args(p, "default 256 MiB", "default 1 GiB", default_policy=(
+        "full", "exact: the whole stored KV, through the tiers and the planner"))
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int_range(0, 65535), default=8000,

@@ -91,7 +91,7 @@ class StoreView:
     @property
     def read_limit(self) -> float | None:
         """The store's disk read limit in bytes/s (None: unlimited)."""
-        limit = self._store.reader.limit
+        limit = self._store.tiers.disk.read_limit
         return None if limit is None else limit.rate
 
     def entry(self, node, layer: int):

@@ -1,6 +1,7 @@
 """The prefix KV store: chunked files on disk, a radix tree in SQLite, copy-on-write reorders."""
-from .config import (CHUNK_SIZE, LAYOUT_VERSION, STORE_FORMAT, CorruptNode, ModelShape,
-                     StoreConfig, StoreFull, StoreWriteFailed, model_fingerprint)
+from ..errors import CorruptNode, StoreFull, StoreWriteFailed
+from .config import (CHUNK_SIZE, LAYOUT_VERSION, STORE_FORMAT, ModelShape, StoreConfig,
+                     model_fingerprint)
 from .entries import LayerEntry, LayerStats, StoreMetrics
 from .prefix_store import PrefixStore
 from .reorder import ReorderEngine

@@ -1,4 +1,5 @@
-"""What a store is made for and how it behaves: its model shape, its settings, its errors."""
+"""What a store is made for and how it behaves: its model shape, its settings (its errors
+are errors.py's: the disk tier raises them too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,37 +9,13 @@ import json
 from disk_layout.format import KV_FORMATS, LEGACY_KV_FORMAT, kv_dtype_name
 
 from ..errors import UserError
-from ..radix import RadixNode
 
 STORE_FORMAT = "impress_flexgen-prefix-store"
-
-
-class CorruptNode(Exception):
-    """A chunk or probe section failed its CRC, or reading its file failed in any way
-    (short, missing, not a regular file, a symbolic link, an I/O error)."""
-
-    def __init__(self, node: RadixNode, detail: str):
-        super().__init__(f"node {node.id}: {detail}")
-        self.node = node
-
-
-class StoreWriteFailed(Exception):
-    """New KV could not be committed (the request is still served; its prefix is not
-    stored)."""
-
-
-class StoreFull(StoreWriteFailed):
-    """No room for new KV even after evicting every unlocked leaf, or the disk or the
-    metadata database is full."""
 
 
 # Version of what a stored chunk's bytes mean (the layer file layout and how a chunk's
 # tokens are laid out; the KV format is named beside it): part of every store identity.
 LAYOUT_VERSION = 2
-
-
-class DiskFull(StoreFull):
-    """Writing a layer file failed with ENOSPC: the disk itself is full."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from ..radix import RadixNode
-from .config import StoreFull, StoreWriteFailed
+from ..errors import StoreFull, StoreWriteFailed
 from .files import LayerFiles
 from .state import StoreState, meta_write
 

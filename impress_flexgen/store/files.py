@@ -15,7 +15,7 @@ from disk_layout import io as dio
 from disk_layout.format import LayerFileLayout, crc32, encode_probe, probe_supported, section_image
 
 from ..radix import RadixNode
-from .config import DiskFull, StoreWriteFailed
+from ..errors import DiskFull, StoreWriteFailed
 from .state import StoreState
 
 log = logging.getLogger("impress_flexgen.store")

@@ -10,7 +10,8 @@ from disk_layout.format import LayerFileLayout
 from disk_layout.metadata import LayerRow
 
 from ..radix import PrefixMatch, RadixNode
-from .config import DiskFull, StoreWriteFailed, namespace_key
+from ..errors import DiskFull, StoreWriteFailed
+from .config import namespace_key
 from .entries import LayerEntry, LayerStats
 from .eviction import Removal
 from .files import LayerFiles

@@ -11,18 +11,23 @@ from disk_layout import io as dio
 from disk_layout.format import ALIGN, align_up, decode_probe
 from disk_layout.io import ChecksumMismatch
 
-from .config import CorruptNode
+from ..errors import CorruptNode
 from .entries import LayerEntry
 from .state import StoreState
 
 
 @dataclasses.dataclass
-class _ProbeRead:
-    """A probe section in flight (DiskReads.start_probe)."""
+class ProbeRead:
+    """A probe section in flight (DiskReads.start_probe); result() waits for it."""
 
     entry: LayerEntry
     node: object
     handle: object
+    reads: "DiskReads"
+
+    def result(self) -> torch.Tensor:
+        """The probe heads' keys, float32, physical order; CorruptNode if a check failed."""
+        return self.reads.finish_probe(self)
 
 
 @dataclasses.dataclass
@@ -51,15 +56,15 @@ class DiskReads:
         """The probe heads' keys for every token of the node, float32, physical order."""
         return self.finish_probe(self.start_probe(entry, node))
 
-    def start_probe(self, entry: LayerEntry, node=None) -> "_ProbeRead":
+    def start_probe(self, entry: LayerEntry, node=None) -> ProbeRead:
         """Start reading the probe section (on the reader threads); finish_probe() waits,
         checks and decodes it. Lets a caller read the next layer's probe while it computes."""
         lay = entry.layout
         handle = self._submit(entry, node, [(0, lay.probe_stride)],
                               [(lay.probe_bytes, int(entry.crcs[0]))])
-        return _ProbeRead(entry, node, handle)
+        return ProbeRead(entry, node, handle, self)
 
-    def finish_probe(self, pending: "_ProbeRead") -> torch.Tensor:
+    def finish_probe(self, pending: ProbeRead) -> torch.Tensor:
         entry, lay = pending.entry, pending.entry.layout
         (run,) = self._wait(entry, pending.node, pending.handle,
                             lambda _: f"probe keys of layer {entry.layer}: CRC mismatch")

@@ -15,7 +15,7 @@ from disk_layout.metadata import LayerRow, MetadataError
 
 from .. import cpu_threads
 from ..radix import RadixNode
-from .config import CorruptNode, StoreWriteFailed
+from ..errors import CorruptNode, StoreWriteFailed
 from .entries import LayerEntry, LayerStats
 from .eviction import Removal
 from .files import LayerFiles, new_file_name
@@ -184,11 +184,11 @@ class Reorderer:
 
 class ReorderEngine:
     """Background thread: reorders dirty nodes every `reorder_interval` queries.
-    `store`: anything with reorder_dirty() and config (the store, or its Reorderer)."""
+    `reorderer`: anything with reorder_dirty() and state.config (the store's Reorderer)."""
 
-    def __init__(self, store):
-        self.store = store
-        self.interval = store.config.reorder_interval
+    def __init__(self, reorderer):
+        self.reorderer = reorderer
+        self.interval = reorderer.state.config.reorder_interval
         self._wake = threading.Event()
         self._stopping = False
         self._since = 0
@@ -212,7 +212,7 @@ class ReorderEngine:
             if self._stopping:
                 return
             try:
-                self.store.reorder_dirty()
+                self.reorderer.reorder_dirty()
             except Exception as exc:  # noqa: BLE001 - a failed reorder must not stop serving
                 log.warning("background reorder failed: %s", exc)
 

@@ -17,7 +17,8 @@ from disk_layout.format import LayerFileLayout
 from disk_layout.metadata import MetadataError, MetadataFull
 
 from ..radix import RadixNode, RadixTree
-from .config import ModelShape, StoreConfig, StoreFull, StoreWriteFailed
+from ..errors import StoreFull, StoreWriteFailed
+from .config import ModelShape, StoreConfig
 from .entries import LayerEntry, LayerStats, StoreMetrics
 
 
@@ -86,9 +87,3 @@ def meta_write(write, what: str):
         raise StoreFull(f"metadata database full while {what}: {exc}") from None
     except MetadataError as exc:
         raise StoreWriteFailed(f"metadata write failed while {what}: {exc}") from None
-
-
-def chunk_key(entry: LayerEntry, kind: str, index: int) -> tuple:
-    """A chunk's key in every tier: (node_id, layer, version, kind, chunk); it names
-    immutable bytes (node ids are never reused, a rewrite bumps the version)."""
-    return (entry.node_id, entry.layer, entry.version, kind, index)

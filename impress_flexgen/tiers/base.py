@@ -8,7 +8,8 @@ answers the same questions:
 
     tier.contains(key)              is the chunk held here (no access counted)?
     tier.batch_exists(keys)         how many of `keys`, from the first, are held?
-    pending = tier.submit_get(keys) start fetching them (may return before they arrive)
+    pending = tier.submit_get(keys) start fetching them (may return before they arrive);
+                                    a tier of stored layer files also takes a ChunkLoad
     tier.wait(pending)              the chunks, in order; None for a miss or a copy that
                                     failed its checksum (never wrong bytes)
     tier.put(key, tensor, crc)      offer a copy; False when refused (full, unwanted)
@@ -22,6 +23,7 @@ with misses and counts it; it never raises to the engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -36,6 +38,40 @@ except ImportError:  # pragma: no cover - disk_layout ships with this package
 ChunkKey = Hashable
 
 
+def chunk_key(entry, kind: str, index: int) -> tuple:
+    """A stored chunk's key in every tier: (node_id, layer, version, kind, chunk) of a
+    store's layer entry; it names immutable bytes (node ids are never reused, a rewrite
+    bumps the version)."""
+    return (entry.node_id, entry.layer, entry.version, kind, index)
+
+
+@dataclasses.dataclass
+class ChunkLoad:
+    """What a load asks the tiers for: chunks of one stored layer file. `entry`: the
+    store's LayerEntry (which file, which version); `wanted`: {kind: chunk ids} in asked
+    order; `ratios`: per kind each chunk's important-token ratio (None: 0), which ranks
+    it in the memory tiers; `node`: the radix node holding the entry, when the caller
+    holds it (a failed check is then raised for it, not quarantined behind its back)."""
+
+    entry: Any
+    wanted: dict
+    ratios: dict | None = None
+    node: Any = None
+
+    def __post_init__(self) -> None:
+        self.wanted = {kind: [int(i) for i in ids] for kind, ids in self.wanted.items()}
+
+    def keys(self) -> list[tuple]:
+        """Every chunk's key, in asked order (kinds in turn)."""
+        return [chunk_key(self.entry, kind, i) for kind, ids in self.wanted.items()
+                for i in ids]
+
+    def flat_ratios(self) -> list[float]:
+        if self.ratios is None:
+            return [0.0] * sum(len(ids) for ids in self.wanted.values())
+        return [float(x) for kind in self.wanted for x in self.ratios[kind]]
+
+
 @runtime_checkable
 class Tier(Protocol):
     name: str
@@ -44,7 +80,7 @@ class Tier(Protocol):
 
     def batch_exists(self, keys: Sequence[ChunkKey]) -> int: ...
 
-    def submit_get(self, keys: Sequence[ChunkKey]) -> Any: ...
+    def submit_get(self, keys: Sequence[ChunkKey] | ChunkLoad) -> Any: ...
 
     def wait(self, pending: Any) -> list[torch.Tensor | None]: ...
 

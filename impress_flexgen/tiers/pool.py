@@ -104,7 +104,7 @@ class SharedPrefix:
             self._compute_s(n_chunks * self.chunk_size, ctx)
 
     def _skip(self) -> None:
-        self.tier._count(skipped_requests=1)
+        self.tier.count_skipped()
 
     # -- reads ----------------------------------------------------------------------------
     def open(self, prefix, matched: int, stats, tenant: str = "") -> "GivenKV | None":
@@ -114,7 +114,7 @@ class SharedPrefix:
         first = matched // self.chunk_size
         now = time.monotonic()
         if first and self.offers is not None and now >= self._quiet_until \
-                and self.tier._reachable():
+                and self.tier.reachable():
             # The matched chunks may have been stored before the pool held them.
             self.offers.offer(prefix, hashes[:first], tenant)
         if first >= len(hashes):

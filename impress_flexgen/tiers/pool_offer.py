@@ -152,7 +152,7 @@ class StoredOffers:
                 if got >= n_tokens:
                     break
                 take = min(used, n_tokens - got)
-                k, v = self.store.read_layer(node.layers[layer], node)
+                k, v = self.store.inspect().reads.read_layer(node.layers[layer], node)
                 ks.append(k[:, :take])
                 vs.append(v[:, :take])
                 got += take

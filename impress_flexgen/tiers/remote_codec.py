@@ -100,17 +100,15 @@ class RemoteNamespace:
         """h_0 of the chain. JSON of a list keeps the encoding unambiguous for any name."""
         return _seed(self)
 
-    def _seed(self) -> bytes:
-        fields = [LAYOUT_VERSION, self.model, self.n_layers, self.n_kv_heads, self.head_dim,
-                  self.dtype, self.chunk_size, self.fingerprint, self.tenant,
-                  "exact" if self.exact else "approximate", "keyed" if self.keyed else "crc"]
-        encoded = json.dumps(fields, separators=(",", ":")).encode()
-        return hashlib.blake2b(encoded, digest_size=CHAIN_SIZE).digest()
-
 
 @functools.lru_cache(maxsize=256)
 def _seed(namespace: RemoteNamespace) -> bytes:
-    return namespace._seed()
+    n = namespace
+    fields = [LAYOUT_VERSION, n.model, n.n_layers, n.n_kv_heads, n.head_dim, n.dtype,
+              n.chunk_size, n.fingerprint, n.tenant, "exact" if n.exact else "approximate",
+              "keyed" if n.keyed else "crc"]
+    encoded = json.dumps(fields, separators=(",", ":")).encode()
+    return hashlib.blake2b(encoded, digest_size=CHAIN_SIZE).digest()
 
 
 @functools.lru_cache(maxsize=256)

@@ -96,6 +96,14 @@ class PoolLink:
             self._pool.connection_kwargs.update(socket_timeout=self._timeout_s,
                                                 socket_connect_timeout=self._timeout_s)
 
+    def reachable(self) -> bool:
+        """False while down and not yet due for a retry (a caller then skips asking)."""
+        return self._reachable()
+
+    def count_skipped(self) -> None:
+        """A request its caller did not send (not worth asking): counted as skipped."""
+        self._count(skipped_requests=1)
+
     def _reachable(self) -> bool:
         """False while down and not yet due for a retry: answer without the network."""
         if self._closed:

@@ -1,26 +1,28 @@
 """The tiers a load asks, fastest first: the memory chain (GPU, CPU), then the disk.
 
     stack = TierStack(memory=ChunkCache(...))    # memory tiers: optional
-    stack.attach_disk(disk_tier)                 # the store's DiskTier, always last
-    load = stack.submit(keys, ratios, at=(node, entry), crc_of=..., chunk_bytes=...)
-    chunks, served = stack.wait(load)            # served: bytes per tier name, "disk_chunks"
+    stack.attach_disk(disk_tier)                 # the store's DiskTier (disk.py), always last
+    load = stack.submit(ChunkLoad(entry, {"k": ids, "v": ids}, ratios, node))
+    chunks, served = stack.wait(load)   # {kind: chunks}; bytes per tier name, "disk_chunks"
 
-Each tier is a `Tier` (base.py) and is called through submit_get/wait and put. A key the
-memory chain misses goes to the disk; what the disk returns is offered to the memory chain
-after (put, scored by the chunk's important-token ratio), which keeps the chain's
-score-ranked admission, promotion and demotion (chain.py). Chunks read ahead of time
-(prefetch) are taken in place of a disk read and offered to the memory chain the same way.
+Each tier is a `Tier` (base.py) and is called through submit_get/wait and put. A chunk the
+memory chain misses goes to the disk, asked by file (the load's entry, {kind: missed ids});
+what the disk returns is offered to the memory chain after (put, scored by the chunk's
+important-token ratio), which keeps the chain's score-ranked admission, promotion and
+demotion (chain.py). Chunks read ahead of time (prefetch) are taken in place of a disk read
+and offered to the memory chain the same way.
 
-The shared pool (tiers/remote.py) is not in this list: it holds whole prefixes across
-servers and is asked before the local match is extended (store/shared.py), not per chunk.
+The shared pool (tiers/pool.py) is not in this list: it holds whole prefixes across servers
+and is asked before the local match is extended, not per chunk.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from .base import ChunkLoad
 from .chain import DISK, ChunkCache, TierConfig
 from .memory_chain import MemoryChain
 
@@ -29,13 +31,26 @@ from .memory_chain import MemoryChain
 class StackLoad:
     """A load in flight: memory hits (and prefetched chunks) in `out`, disk reads pending."""
 
+    load: ChunkLoad
     out: list
     served: dict
+    keys: list
+    ratios: Sequence[float]
     misses: list = dataclasses.field(default_factory=list)     # slots the disk reads
-    ratios: Sequence[float] = ()
-    crc_of: Callable[[int], int] | None = None
-    keys: list = dataclasses.field(default_factory=list)
     disk: object = None                                        # the disk tier's pending read
+
+    def crc(self, slot: int) -> int:
+        """The CRC-32 a copy of the slot's chunk keeps."""
+        key = self.keys[slot]
+        return self.load.entry.crc(key[3], key[4])
+
+
+@dataclasses.dataclass
+class Prefetch:
+    """A read ahead in flight (TierStack.prefetch): the chunks read, by kind."""
+
+    wanted: dict
+    disk: object
 
 
 class TierStack:
@@ -87,72 +102,91 @@ class TierStack:
         return self.memory is not None and self.memory.contains(key)
 
     # ------------------------------------------------------------------ loads
-    def submit(self, keys: list, ratios: Sequence[float], at: tuple, crc_of: Callable[[int], int],
-               chunk_bytes: int, ahead: Sequence | None = None) -> StackLoad:
+    def submit(self, load: ChunkLoad, ahead: dict | None = None) -> StackLoad:
         """Serve what the memory chain holds and start the disk read of the rest.
 
-        keys: chunks of one layer file, `at` = (node or None, entry) (the disk reads that
-        entry's file); ratios: each key's important-token ratio; crc_of(slot): the CRC-32
-        a copy keeps; ahead: per key a chunk already read (or None). Every submit must be
-        waited for, even when the caller gives up on the result."""
-        load = StackLoad([None] * len(keys), dict.fromkeys(self.names, 0) | {"disk_chunks": 0},
-                         ratios=ratios, crc_of=crc_of, keys=keys)
+        ahead: chunks already read ({kind: {chunk id: chunk}}, a prefetch's), taken in place
+        of a disk read. Every submit must be waited for, even when the caller gives up on
+        the result."""
+        keys = load.keys()
+        ratios = load.flat_ratios()
+        chunk_bytes = load.entry.layout.chunk_bytes
+        out = StackLoad(load, [None] * len(keys),
+                        dict.fromkeys(self.names, 0) | {"disk_chunks": 0}, keys, ratios)
         memory = self.memory
+        missing: dict[str, list[int]] = {}
         for j, key in enumerate(keys):
             # One key at a time: an admission of a chunk read ahead may demote or evict
             # what the next lookup would have found.
             if memory is not None:
                 got = memory.submit_get([key], [ratios[j]])
                 if got.chunks[0] is not None:
-                    load.out[j] = memory.wait(got)[0]
-                    load.served[got.served_by[0]] += chunk_bytes
+                    out.out[j] = memory.wait(got)[0]
+                    out.served[got.served_by[0]] += chunk_bytes
                     continue
-            early = ahead[j] if ahead is not None else None
+            kind, chunk = key[3], key[4]
+            early = (ahead or {}).get(kind, {}).get(chunk)
             if early is not None:
-                load.out[j] = early
+                out.out[j] = early
                 if memory is not None:
-                    memory.put(key, early, crc_of(j), ratios[j])
+                    memory.put(key, early, out.crc(j), ratios[j])
             else:
-                load.misses.append(j)
-        if load.misses:
-            load.disk = self.disk.submit_get([keys[j] for j in load.misses], at=at)
-            if load.disk.error is not None:      # the file could not be opened
-                self.disk.wait(load.disk)
-                raise load.disk.error
-        return load
+                out.misses.append(j)
+                missing.setdefault(kind, []).append(chunk)
+        if out.misses:
+            out.disk = self.disk.submit_get(ChunkLoad(load.entry, missing, node=load.node))
+            if out.disk.error is not None:      # the file could not be opened
+                self.disk.wait(out.disk)
+                raise out.disk.error
+        return out
 
-    def wait(self, load: StackLoad) -> tuple[list, dict]:
-        """(chunks in asked order, bytes served per tier and "disk_chunks": chunks read);
-        a chunk that fails its check raises the store's CorruptNode."""
-        if load.disk is not None:
-            fresh = self.disk.wait(load.disk)
-            if load.disk.error is not None:
-                raise load.disk.error
-            load.served[DISK] += load.disk.bytes_read
-            load.served["disk_chunks"] = len(load.misses)
+    def wait(self, pending: StackLoad) -> tuple[dict[str, list], dict]:
+        """({kind: chunks in asked order}, bytes served per tier and "disk_chunks": chunks
+        read); a chunk that fails its check raises the store's CorruptNode."""
+        if pending.disk is not None:
+            fresh = self.disk.wait(pending.disk)
+            if pending.disk.error is not None:
+                raise pending.disk.error
+            pending.served[DISK] += pending.disk.bytes_read
+            pending.served["disk_chunks"] = len(pending.misses)
             memory = self.memory
-            for j, tensor in zip(load.misses, fresh):
-                load.out[j] = tensor
+            for j, tensor in zip(pending.misses, fresh):
+                pending.out[j] = tensor
                 if memory is not None:
                     # The CRC goes with the copy: checked before a promotion serves it.
                     # A node invalidated while this read was in flight is refused.
-                    memory.put(load.keys[j], tensor, load.crc_of(j), load.ratios[j])
-        return load.out, load.served
+                    memory.put(pending.keys[j], tensor, pending.crc(j), pending.ratios[j])
+        chunks, at = {}, 0
+        for kind, ids in pending.load.wanted.items():
+            chunks[kind] = pending.out[at:at + len(ids)]
+            at += len(ids)
+        return chunks, pending.served
 
-    def prefetch(self, keys: list, at: tuple):
+    def prefetch(self, load: ChunkLoad) -> Prefetch:
         """Start reading chunks a load is expected to ask for soon, except those a memory
-        tier holds; no tier counts anything until the load. finish_prefetch() waits."""
-        keys = [k for k in keys if not self.in_memory(k)]
-        read = self.disk.submit_get(keys, at=at)
+        tier holds; no tier counts anything until the load (submit(..., ahead=...) counts
+        hits and misses and admits as if it had read the misses itself). Every prefetch
+        must be finished."""
+        wanted: dict[str, list[int]] = {}
+        for key in load.keys():
+            if not self.in_memory(key):
+                wanted.setdefault(key[3], []).append(key[4])
+        read = self.disk.submit_get(ChunkLoad(load.entry, wanted, node=load.node))
         if read.error is not None:               # the file could not be opened
             self.disk.wait(read)
             raise read.error
-        return keys, read
+        return Prefetch(wanted, read)
 
-    def finish_prefetch(self, pending) -> tuple[list, list[torch.Tensor], int]:
-        """(keys, chunks, bytes read from disk) of a prefetch; a failed check raises."""
-        keys, read = pending
-        chunks = self.disk.wait(read)
-        if read.error is not None:
-            raise read.error
-        return keys, chunks, read.bytes_read
+    def finish_prefetch(self, pending: Prefetch) -> tuple[dict[str, dict[int, torch.Tensor]],
+                                                          int]:
+        """Wait for a prefetch: ({kind: {chunk id: chunk}}, bytes read from disk); a failed
+        check raises."""
+        chunks = self.disk.wait(pending.disk)
+        if pending.disk.error is not None:
+            raise pending.disk.error
+        out: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in pending.wanted}
+        flat = iter(chunks)
+        for kind, ids in pending.wanted.items():
+            for i in ids:
+                out[kind][i] = next(flat)
+        return out, pending.disk.bytes_read

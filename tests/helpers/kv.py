@@ -40,3 +40,11 @@ def random_bits(seed: int, shape) -> torch.Tensor:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape == b.shape and a.dtype == b.dtype
             and torch.equal(a.detach().cpu().view(torch.int16), b.detach().cpu().view(torch.int16)))
+
+
+def load_chunks(store, entry, wanted: dict, node=None, ratios=None):
+    """({kind: chunks}, bytes served per tier) of one layer file's chunks, loaded through
+    the store's tiers as a request loads them."""
+    from impress_flexgen.tiers import ChunkLoad
+
+    return store.tiers.wait(store.tiers.submit(ChunkLoad(entry, wanted, ratios, node)))

@@ -40,10 +40,10 @@ def capacity(base: Path, seed: int, failures: list[str]) -> dict:
                 failures.append(f"capacity: insert {i} raised StoreFull: {exc}")
             finally:
                 store.release(match)
-            on_disk = sum(f.stat().st_size for f in (store.dir / "data").iterdir())
-            if store.disk_bytes() > cap or on_disk > cap:
+            on_disk = sum(f.stat().st_size for f in (store.inspect().state.dir / "data").iterdir())
+            if store.inspect().accounting.disk_bytes() > cap or on_disk > cap:
                 res["over_capacity"] += 1
-                failures.append(f"capacity: after insert {i}: {store.disk_bytes()} bytes "
+                failures.append(f"capacity: after insert {i}: {store.inspect().accounting.disk_bytes()} bytes "
                                 f"counted, {on_disk} on disk, capacity {cap}")
             if not prefix_exact(store, t):
                 res["newest_missed"] += 1
@@ -63,7 +63,7 @@ def capacity(base: Path, seed: int, failures: list[str]) -> dict:
             if why:
                 res["stale_reads"] += 1
                 failures.append(f"capacity: stored part of prefix {j}: {why}")
-        res["evictions"] = store.metrics.evictions
+        res["evictions"] = store.inspect().state.metrics.evictions
         left = orphans(store)
     if res["evictions"] == 0:
         failures.append("capacity: no eviction happened")

@@ -115,7 +115,7 @@ def io_errors(base: Path, n_prefixes: int, faults_per_store: int, seed: int,
                         if not prefix_exact(store, prefixes.tokens(p)):
                             res["not_repaired"] += 1
                             report.fail(cls, f"{sdir.name}: prefix {p} not exact after repair")
-                    counted = getattr(store.metrics, "corruptions", 0)
+                    counted = getattr(store.inspect().state.metrics, "corruptions", 0)
             res["corruptions_counted"] += counted
             if counted < len(set(hits)):
                 report.fail(cls, f"{sdir.name}: metrics.corruptions is {counted} after "

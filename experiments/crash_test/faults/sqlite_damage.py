@@ -29,12 +29,12 @@ DAMAGE = ("flip_db", "flip_db", "flip_wal", "zero_page", "trunc_db", "trunc_wal"
 
 def hard_state(store: PrefixStore) -> dict:
     """What each node's KV depends on: parent, position, tokens, files, orders, CRCs."""
-    return {nid: (n.parent.id if n.parent is not None and n.parent is not store.tree.root
+    return {nid: (n.parent.id if n.parent is not None and n.parent is not store.inspect().state.tree.root
                   else None, n.start, n.tokens.tobytes(),
                   tuple((e.version, os.path.basename(e.path),
                          None if e.mapping is None else np.asarray(e.mapping).tobytes(),
                          np.asarray(e.crcs).tobytes()) for e in n.layers))
-            for nid, n in store.tree.nodes.items()}
+            for nid, n in store.inspect().state.tree.nodes.items()}
 
 
 def copy_store(src: Path, dst: Path) -> None:
@@ -145,10 +145,10 @@ def sqlite_damage(base: Path, iterations: int, seed: int, report: Report) -> dic
                 if rng.random() < 0.4:
                     store.reorder_now()
                 if rng.random() < 0.3:
-                    store.flush_stats()
+                    store.inspect().importance.flush_stats()
                 if p in points:
                     if rng.random() < 0.5:
-                        store.overheads()   # checkpoints: the rows move from the WAL to the DB
+                        store.inspect().accounting.overheads()   # checkpoints: the rows move from the WAL to the DB
                     dst = base / f"sqlfuzz-{fmt}-copy{p}"
                     copy_store(live, dst)
                     sources.append((dst, fmt, hard_state(store)))
@@ -194,7 +194,7 @@ def sqlite_damage(base: Path, iterations: int, seed: int, report: Report) -> dic
                     sample = [nid for nid in now if nid not in changed and rng.random() < 0.1]
                     wrong = unreadable = 0
                     for nid in changed + sample:
-                        why = check_node(store, store.tree.nodes[nid])
+                        why = check_node(store, store.inspect().state.tree.nodes[nid])
                         if why is None:
                             continue
                         if why.startswith("error"):

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from impress_flexgen.store import CorruptNode, PrefixStore, StoreWriteFailed
+from impress_flexgen.tiers import ChunkLoad
 
 from ..kv import C, FORMATS, MAX_CHUNKS, SHAPE, Prefixes, expected_bits, kv_from_bits, \
     store_config, tensor_bits
@@ -38,8 +39,8 @@ def tier_request(store: PrefixStore, tokens: np.ndarray, rng, stats: dict,
                 ids = list(range(n)) if whole else \
                     sorted(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False).tolist())
                 ratios = store.chunk_ratios(entry, ids)
-                chunks, served = store.load_kv_chunks(entry, {"k": ids, "v": ids}, node,
-                                                      {"k": ratios, "v": ratios})
+                chunks, served = store.tiers.wait(store.tiers.submit(ChunkLoad(
+                    entry, {"k": ids, "v": ids}, {"k": ratios, "v": ratios}, node)))
                 for tier in ("gpu", "cpu", "disk"):
                     stats[tier] += served[tier]
                 for kind_i, kind in enumerate("kv"):
@@ -52,7 +53,7 @@ def tier_request(store: PrefixStore, tokens: np.ndarray, rng, stats: dict,
                             stats["wrong_keys"].append((entry.node_id, layer, entry.version,
                                                         kind, i))
                 if whole or rng.random() < 0.25:
-                    probe = store.read_probe(entry, node)
+                    probe = store.start_probe(entry, node).result()
                     stats["probes"] += 1
                     want_probe = expected_probe(store, entry,
                                                 want[layer, 0][:, node.start:node.end])
@@ -138,9 +139,9 @@ def tiers_threads(base: Path, runs: int, requests: int, seed: int, report: Repor
                     except Exception as exc:  # noqa: BLE001 - reported
                         final["errors"] += 1
                         final["messages"].append(f"final pass: {error_text(exc)}")
-                res["splits"] += store.metrics.splits
-                res["reorders"] += store.metrics.reorders
-                res["evictions"] += store.metrics.evictions
+                res["splits"] += store.inspect().state.metrics.splits
+                res["reorders"] += store.inspect().state.metrics.reorders
+                res["evictions"] += store.inspect().state.metrics.evictions
             finally:
                 store.close()
         for st in stats_all:
@@ -160,7 +161,7 @@ def tiers_threads(base: Path, runs: int, requests: int, seed: int, report: Repor
                 left = orphans(store)
                 res["orphans"] += len(left)
                 problems += [f"orphan after reopen: {n}" for n in left]
-                for node in list(store.tree.nodes.values()):
+                for node in list(store.inspect().state.tree.nodes.values()):
                     why = check_node(store, node)
                     if why:
                         wrong += is_wrong(why)

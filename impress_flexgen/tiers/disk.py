@@ -1,21 +1,24 @@
-"""The local disk store seen through the tier interface (`impress_flexgen.tiers.base.Tier`):
-the last tier of the store's TierStack, which every load of stored KV goes through.
+"""The local disk store seen through the tier interface (`base.Tier`): the last tier of
+a store's TierStack, which every load of stored KV goes through.
 
-Keys are the memory tiers' (node_id, layer, version, kind, chunk) (`state.chunk_key`): a
-key is held while its node is live and that layer's current entry has that version and at
-least chunk+1 chunks. Reads go through the store's own disk read (coalesced, CRC-checked),
-one round trip per layer file whatever the number of keys in it.
+Keys are the memory tiers' (node_id, layer, version, kind, chunk) (`base.chunk_key`): a key
+is held while its node is live and that layer's current entry has that version and at least
+chunk+1 chunks. Reads go through the store's own disk read (coalesced, CRC-checked), one
+round trip per layer file whatever the number of keys in it.
 
-The load path names where its keys live (`submit_get(keys, at=(node, entry))`): the entry
-its request holds, which may be a version a reorder has since replaced (its file stays
-until the request lets go). Such a read is of that file, in the keys' order; a failed
-check there is not quarantined here but handed back (`pending.error`) for the caller, which
-holds the node, to raise.
+The load path asks by file (`submit_get(ChunkLoad(entry, {kind: ids}, node=node))`): the
+entry its request holds, which may be a version a reorder has since replaced (its file stays
+until the request lets go). Such a read is of that file, in the asked order; a failed check
+there is not quarantined here but handed back (`pending.error`) for the caller, which holds
+the node, to raise.
 
 The disk is written by inserts of whole prefixes (`PrefixStore.insert`), never chunk by
 chunk: `put` refuses every offer (`writable` is False). A chunk that fails its check is a
 miss and its node is quarantined; a node is removed (`invalidate`) only while no request
 holds it. Nothing here raises to the caller for a bad disk or a closed store: it misses.
+
+The store's parts it reads through (its state, its disk reads, its removals) are given to it
+by the store that owns them.
 """
 from __future__ import annotations
 
@@ -27,14 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..radix import RadixNode
-from ..tiers.base import ChunkKey
-from ..tiers.chain import DISK
-from .config import CorruptNode, StoreWriteFailed
-from .entries import LayerEntry
-from .eviction import Removal, disk_bytes
-from .reads import DiskReads
-from .state import StoreState
+from ..errors import CorruptNode, StoreWriteFailed
+from .base import ChunkKey, ChunkLoad
+from .chain import DISK
 
 log = logging.getLogger("impress_flexgen.store")
 
@@ -46,8 +44,8 @@ COUNTERS = ("hits", "misses", "bytes_served", "corrupt_reads", "invalidated_node
 class _Group:
     """The keys of one request that fall in one layer file: one read."""
 
-    node: RadixNode
-    entry: LayerEntry
+    node: object            # its radix node
+    entry: object           # its layer entry
     slots: dict = dataclasses.field(default_factory=dict)   # (kind, chunk) -> result slots
     read: object = None                                      # DiskReads.start_chunks's read
     error: CorruptNode | None = None
@@ -61,7 +59,7 @@ class _DiskGet:
 
     n_keys: int
     groups: list[_Group]
-    located: bool = False
+    load: ChunkLoad | None = None       # a read of one named file, in asked order
     bytes_read: int = 0
     error: Exception | None = None
 
@@ -74,10 +72,13 @@ class DiskTier:
     # no radix node to live in.
     writable = False
 
-    def __init__(self, state: StoreState, reads: DiskReads, removal: Removal) -> None:
+    def __init__(self, state, reads, removal, used_bytes) -> None:
+        """`state`: the store's StoreState; `reads`: its DiskReads; `removal`: its
+        Removal; `used_bytes()`: bytes of its layer files."""
         self.state = state
         self.reads = reads
         self.removal = removal
+        self.used_bytes = used_bytes
         self._mu = threading.Lock()   # the counters; the store's lock guards everything else
         self.counters = dict.fromkeys(COUNTERS, 0)
 
@@ -95,13 +96,13 @@ class DiskTier:
                 n += 1
             return n
 
-    def submit_get(self, keys: Sequence[ChunkKey], at: tuple | None = None) -> _DiskGet:
+    def submit_get(self, keys: Sequence[ChunkKey] | ChunkLoad) -> _DiskGet:
         """Start reading `keys`, grouped by layer file; a key not held is a miss at once.
         The nodes read stay pinned until wait(): nothing deletes their files meanwhile.
-        at=(node or None, entry): every key is a chunk of `entry`, held by the caller."""
+        A ChunkLoad: one read of its entry's file (an entry its caller holds)."""
+        if isinstance(keys, ChunkLoad):
+            return self._submit_load(keys)
         keys = list(keys)
-        if at is not None:
-            return self._submit_at(keys, *at)
         groups: dict[tuple[int, int], _Group] = {}
         misses = 0
         state = self.state
@@ -130,16 +131,12 @@ class DiskTier:
                 pass
         return _DiskGet(len(keys), list(groups.values()))
 
-    def _submit_at(self, keys: list, node, entry: LayerEntry) -> _DiskGet:
-        """One read of `entry`'s file for chunks of it, each asked once per key."""
-        group = _Group(node, entry)
-        wanted: dict[str, list[int]] = {}
-        for slot, (_, _, _, kind, chunk) in enumerate(keys):
-            group.slots[(kind, len(wanted.setdefault(kind, [])))] = [slot]
-            wanted[kind].append(int(chunk))
-        pending = _DiskGet(len(keys), [group], located=True)
+    def _submit_load(self, load: ChunkLoad) -> _DiskGet:
+        """One read of the load's file, each chunk as often as it is asked."""
+        group = _Group(load.node, load.entry)
+        pending = _DiskGet(sum(map(len, load.wanted.values())), [group], load=load)
         try:
-            group.read = self.reads.start_chunks(entry, wanted, node)
+            group.read = self.reads.start_chunks(load.entry, load.wanted, load.node)
         except CorruptNode as exc:
             group.error = exc
         return pending
@@ -151,8 +148,8 @@ class DiskTier:
         store (a read at a named entry: the failure is left in pending.error for the
         caller)."""
         out: list[torch.Tensor | None] = [None] * pending.n_keys
-        if pending.located:
-            self._wait_at(pending, out)
+        if pending.load is not None:
+            self._wait_load(pending, out)
             return out
         for group in pending.groups:
             try:
@@ -173,20 +170,19 @@ class DiskTier:
                 self._unpin(group.node)
         return out
 
-    def _wait_at(self, pending: _DiskGet, out: list) -> None:
+    def _wait_load(self, pending: _DiskGet, out: list) -> None:
         (group,) = pending.groups
-        n = sum(map(len, group.slots.values()))
         try:
             if group.error is not None:
                 raise group.error
             chunks, pending.bytes_read = self.reads.finish_chunks(group.read)
         except CorruptNode as exc:
-            self._count(misses=n, corrupt_reads=1)
+            self._count(misses=pending.n_keys, corrupt_reads=1)
             pending.error = exc
             return
-        for (kind, i), (slot,) in group.slots.items():
-            out[slot] = chunks[kind][i]
-        self._count(hits=n, bytes_served=n * group.entry.layout.chunk_bytes)
+        out[:] = [chunk for kind in pending.load.wanted for chunk in chunks[kind]]
+        self._count(hits=pending.n_keys,
+                    bytes_served=pending.n_keys * group.entry.layout.chunk_bytes)
 
     def put(self, key: ChunkKey, tensor: torch.Tensor, crc: int | None = None) -> bool:
         """Always False: the disk takes whole prefixes through `PrefixStore.insert`."""
@@ -199,7 +195,7 @@ class DiskTier:
         state = self.state
         with state.lock:
             held: dict[int, set] = {}
-            nodes: dict[int, RadixNode] = {}
+            nodes: dict = {}
             for key in keys:
                 found = self._find(key)
                 if found is not None:
@@ -216,20 +212,29 @@ class DiskTier:
                 self._count(invalidated_nodes=1)
             return sum(1 for ks in held.values() for k in ks if self._find(k) is None)
 
+    def read_counters(self) -> tuple[int, float]:
+        """(bytes read from disk, seconds the reader threads were busy), so far."""
+        return self.state.reader.counters()
+
+    @property
+    def read_limit(self) -> float | None:
+        """The reads' rate limit in bytes per second (None: none)."""
+        return self.state.reader.limit
+
     def metrics(self) -> dict:
         """This tier's hits, misses and bytes served (chunk payloads), with the store's
         own disk counters (chunks_read, bytes_read with padding, corruptions, ...)."""
         state = self.state
         with state.lock:
             out = dataclasses.asdict(state.metrics)
-            out["used_bytes"] = disk_bytes(state)
+            out["used_bytes"] = self.used_bytes()
             out["capacity_bytes"] = state.config.disk_capacity_bytes
         with self._mu:
             out.update(self.counters)
         return out
 
     # ------------------------------------------------------------------ helpers
-    def _find(self, key) -> tuple[RadixNode, LayerEntry, str, int] | None:
+    def _find(self, key) -> tuple | None:
         """(node, entry, kind, chunk) of a held key; None for anything else (a key of
         another shape is not held here, nor anything by a closed store). The caller holds
         the store's lock."""
@@ -266,7 +271,7 @@ class DiskTier:
             log.warning("store %s: quarantine of node %d failed: %s", self.state.dir,
                         exc.node.id, err)
 
-    def _unpin(self, node: RadixNode) -> None:
+    def _unpin(self, node) -> None:
         with self.state.lock:
             self.removal.unlock(self.state.tree.unpin(node))
 

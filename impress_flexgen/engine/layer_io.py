@@ -1,12 +1,13 @@
-"""The engine's I/O scheduler: a request's probe keys and expected chunks are read one layer
-ahead, while the layer before computes, and each layer's loads are served once however often
-its policy asks (the store does the reads).
+"""A layer's reads: a request's probe keys and expected chunks are read one layer ahead,
+while the layer before computes, and each layer's loads are served once however often its
+policy asks, through the store's tiers (memory, then the disk).
 
     ahead = ReadAhead(store, policy, n_layers, segments_nodes, stats, device=where_selected)
     ahead.start(0)
     for layer in range(n_layers):
         ahead.start(layer + 1)              # next layer's reads go out now
         loader = ahead.loader(layer)        # this layer's probe and chunk loads
+        probe = loader.read_probe()         # the keys read ahead (policies that probe)
         ...
     ahead.close()                           # every read in flight waited for
 """
@@ -18,7 +19,7 @@ import torch
 from policies import Segment
 from policies.base import ProbeKeys, chunks_holding, same_device
 
-from ..tiers import DISK
+from ..tiers import DISK, ChunkLoad
 
 
 class LayerLoader:
@@ -38,14 +39,15 @@ class LayerLoader:
         ids})]. Tiers are consulted when the policy asks (start_all), as without it."""
         for si, kinds in wanted:
             seg = self.segments[si]
-            self.prefetching.append((si, self.store.start_prefetch(seg.entry, kinds, seg.node)))
+            self.prefetching.append(
+                (si, self.store.tiers.prefetch(ChunkLoad(seg.entry, kinds, node=seg.node))))
 
     def _collect(self) -> None:
         """Finish the prefetch; its bytes count as read whether or not they are used."""
         pending, self.prefetching = self.prefetching, []
         for n, (si, read) in enumerate(pending):
             try:
-                chunks, nbytes = self.store.finish_prefetch(read)
+                chunks, nbytes = self.store.tiers.finish_prefetch(read)
             except BaseException:
                 self._drain_prefetch(pending[n + 1:])
                 raise
@@ -80,8 +82,9 @@ class LayerLoader:
                     if missing:
                         ratios = {kind: self.store.chunk_ratios(entry, ids)
                                   for kind, ids in missing.items()}
-                        reading = self.store.submit(entry, missing, self.segments[si].node,
-                                                    ratios, ahead=self.prefetched.get(si))
+                        reading = self.store.tiers.submit(
+                            ChunkLoad(entry, missing, ratios, self.segments[si].node),
+                            ahead=self.prefetched.get(si))
                     handles.append((si, kinds, missing, reading))
             except BaseException:
                 self._drain(handles)
@@ -94,14 +97,14 @@ class LayerLoader:
             for n, (si, kinds, missing, reading) in enumerate(handles):
                 if reading is not None:
                     try:
-                        chunks, served = self.store.wait(reading)
+                        chunks, served = self.store.tiers.wait(reading)
                     except BaseException:
                         self._drain(handles[n + 1:])
                         raise
                     for kind, ids in missing.items():
                         for i, t in zip(ids, chunks[kind]):
                             self.loaded[(kind, si, i)] = t
-                    for tier in self.store.tier_names:
+                    for tier in self.store.tiers.names:
                         self.stats.bytes_read[tier] += served[tier]
                     self.stats.chunks_read += served["disk_chunks"]
                     self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
@@ -118,14 +121,14 @@ class LayerLoader:
         for _, _, _, reading in handles:
             if reading is not None:
                 try:
-                    self.store.wait(reading)
+                    self.store.tiers.wait(reading)
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
 
     def _drain_prefetch(self, pending) -> None:
         for _, read in pending:
             try:
-                self.store.finish_prefetch(read)
+                self.store.tiers.finish_prefetch(read)
             except Exception:  # noqa: BLE001 - nobody asked for these chunks
                 pass
 
@@ -138,7 +141,7 @@ class SharedProbe:
 
     def __init__(self, store, entry, node):
         self.store, self.entry = store, entry
-        self.read = store.start_probe(entry, node)
+        self.read = store.start_probe(entry, node)       # a store.reads.ProbeRead
         self.keys: torch.Tensor | None = None
         self.error: BaseException | None = None
 
@@ -146,7 +149,7 @@ class SharedProbe:
         if self.read is not None:
             read, self.read = self.read, None
             try:
-                self.keys = self.store.finish_probe(read)
+                self.keys = read.result()
             except BaseException as exc:
                 self.error = exc
         if self.error is not None:
@@ -241,6 +244,10 @@ class ReadAhead:
             self.ready[layer] = self._finish(layer)
         except Exception as exc:  # noqa: BLE001 - raised by result(), if it is asked for
             self.ready[layer] = exc
+
+    def probes(self, layer: int) -> bool:
+        """Does the policy read the probe keys of `layer` (read ahead for it)?"""
+        return self.probes_on and self.policy.probes_layer(layer)
 
     def result(self, layer: int) -> ProbeKeys:
         """The probe keys of `layer` (stored order, with their logical positions)."""
