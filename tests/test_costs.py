@@ -283,3 +283,58 @@ def test_the_cache_file_is_private(tmp_path):
     cache = tmp_path / "prefill.json"
     calibrate(Meter(), DEFAULT_POINTS, cache, key="k", repeats=1)
     assert cache.stat().st_mode & 0o077 == 0
+
+
+# -- a budget no single point fits: a model far larger than memory -----------------------
+
+class PassMeter:
+    """A fake measure() whose every point is a pass over a huge model: `pass_s` seconds
+    plus TRUE's per-token cost, said (not slept)."""
+
+    def __init__(self, pass_s: float):
+        self.pass_s = pass_s
+        self.calls: list[tuple[int, int]] = []
+
+    def curve(self) -> PrefillCurve:
+        return PrefillCurve(self.pass_s, TRUE.b, TRUE.c)
+
+    def __call__(self, n, ctx):
+        self.calls.append((n, ctx))
+        return self.curve().predict(n, ctx)
+
+
+def test_calibrate_measures_nothing_when_the_prior_puts_one_point_past_the_budget(tmp_path):
+    meter = PassMeter(30.0)
+    said = []
+    prior = PrefillCurve(25.0, TRUE.b, TRUE.c)   # an estimate, a little optimistic
+    cache = tmp_path / "prefill.json"
+    curve = calibrate(meter, DEFAULT_POINTS, cache, key="k", budget_s=20.0, prior=lambda: prior,
+                      say=said.append)
+    assert meter.calls == []                      # not one pass over the model
+    assert curve == prior
+    assert len(said) == 1 and "estimated" in said[0] and "20 s" in said[0]
+    assert not cache.exists()                     # an estimate is not a measurement
+
+
+def test_calibrate_scales_the_prior_by_the_points_it_could_afford():
+    # Each point takes 6 s: one run each of three would be 18 s, so the prior (2x too
+    # low) lets the first through, then, scaled by what it took, the second, not a third.
+    meter = PassMeter(6.0)
+    prior = PrefillCurve(3.0, TRUE.b / 2, TRUE.c / 2)
+    curve = calibrate(meter, DEFAULT_POINTS, None, repeats=2, budget_s=13.0,
+                      prior=lambda: prior, say=lambda _: None)
+    spent = sum(meter.curve().predict(n, ctx) for n, ctx in meter.calls)
+    assert spent <= 13.0
+    assert 1 <= len(set(meter.calls)) < 3
+    assert curve.predict(16, 0) == pytest.approx(meter.curve().predict(16, 0), rel=0.01)
+
+
+def test_calibrate_with_a_prior_that_fits_measures_as_without_one():
+    with_prior, without = Meter(), Meter()
+    a = calibrate(with_prior, DEFAULT_POINTS, None, repeats=1, budget_s=0.2,
+                  prior=lambda: TRUE)
+    b = calibrate(without, DEFAULT_POINTS, None, repeats=1, budget_s=0.2)
+    assert with_prior.calls == without.calls and a == b
+    none = Meter()   # a prior that has no estimate (a GPU): as without one
+    assert calibrate(none, DEFAULT_POINTS, None, repeats=1, budget_s=0.2,
+                     prior=lambda: None) == b and none.calls == without.calls

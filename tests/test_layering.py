@@ -20,9 +20,10 @@ FLOORS = (
     ("__main__", "run", "serve", "verify"),       # the documented commands; nothing imports them
     ("entrypoints",),                             # the command lines and the OpenAI server
     ("bench", "service"),                         # workload runs; the service's request queue
-    ("engine", "config"),                         # the engine loop; every setting's record
-    ("models", "frontend", "metrics"),            # weights and runtime; prompts; counters
-    ("store", "planner", "request"),              # the prefix store; load-or-recompute; a request
+    ("engine", "metrics"),                        # the engine loop; the service's counters
+    ("planner", "config"),                        # load-or-recompute; every setting's record
+    ("models", "frontend"),                       # weights, placement and runtime; prompts
+    ("store", "request"),                         # the prefix store; a request and its stats
     ("tiers",),                                   # memory, disk and the shared pool
     ("__init__", "errors", "paths", "defaults", "cpu_threads", "progress", "sampling"),
 )

@@ -51,7 +51,8 @@ def parse_args(argv):
                         "pad tokens to --prefix-tokens positions (the paper's setting)")
     w.add_argument("--real-tokens", type=int_range(1), default=512,
                    help="real tokens per prefix in the padded workload (512)")
-    w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each")
+    w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each (smaller on a model "
+                        "whose passes are slow: one line says what and why)")
     gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",

@@ -18,6 +18,32 @@ def check_workload(spec, args) -> None:
                        f"{args.query_tokens})")
 
 
+def quick_for(rt, args) -> None:
+    """--quick on a model whose passes are slow: a smaller workload (quick.py), said in
+    one line; the default where it is predicted to fit (on a GPU: always). Predicted by the
+    prefill curve an earlier start measured here, else by an estimate from bytes and FLOPs."""
+    import torch
+
+    from ..planner.estimate import estimate_for
+    from ..planner.planner import measured_curve
+    from .quick import choose
+
+    if torch.cuda.is_available():
+        return
+    dtype = torch.float16 if rt.spec.config.dtype.__name__ == "float16" else torch.float32
+    curve, basis = measured_curve(rt.spec, torch.device("cpu"), dtype), "measured here"
+    if curve is None:
+        curve, basis = estimate_for(rt), "estimated from bytes and FLOPs"
+    if curve is None:
+        return
+    w, why = choose(curve.predict, args.query_tokens, args.max_new_tokens)
+    if why is None:
+        return
+    args.prefixes, args.prefix_tokens, args.queries = w.prefixes, w.prefix_tokens, w.queries
+    args.query_tokens, args.max_new_tokens = w.query_tokens, w.new_tokens
+    print(f"quick workload: {w.describe()}: {why} (prefill curve {basis})")
+
+
 def serve_workload(rt, args, root: Path) -> int:
     """Serve the workload with each policy (a store each under `root`), print the summary
     and a sample, write --json."""
@@ -31,6 +57,8 @@ def serve_workload(rt, args, root: Path) -> int:
     from ..store.root import _store_name
     from ..tiers.remote_url import redact_url
 
+    if args.quick:
+        quick_for(rt, args)
     wl = build_workload(rt.tokenizer, WorkloadConfig(
         n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         queries_per_prefix=args.queries, query_tokens=args.query_tokens,

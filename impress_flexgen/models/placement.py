@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..planner import plan_text
+from . import plan_text
 # What the model needs, wherever it goes (footprint.py; its names stay readable here).
 from .footprint import (ACT_TOKENS, DEVICES, Footprint, cache_heads,  # noqa: F401
                         footprint, weight_shapes)

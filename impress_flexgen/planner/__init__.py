@@ -2,6 +2,7 @@
 
     split.py    the pure math: what each split m of the prefix costs, and the choice
     costs.py    the cost model: the prefill curve (calibrated, cached) and read bandwidths
+    estimate.py the prefill curve predicted from bytes and FLOPs (calibration's budget)
     reads.py    what each split leaves to read, through a narrow view of the store
     planner.py  the planner a server runs: a measuring function and a store view in, plans
                 out, learning from every request and recovering from a wrong calibration

@@ -243,6 +243,9 @@ def _load_cache(path: Path, key: str) -> PrefillCurve | None:
         return None
 
 
+load_cache = _load_cache
+
+
 def _write_cache(path: Path, key: str, points, curve: PrefillCurve) -> None:
     """Atomically (a new temporary file, fsynced, then os.replace): a reader sees the old
     file or the whole new one. A cache that cannot be written is only a warning."""
@@ -269,18 +272,25 @@ def calibrate(measure: Callable[[int, int], float],
               points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
               cache_path: Path | None = None, key: str = "", repeats: int = 2,
               budget_s: float | None = None, use_cache: bool = True,
-              announce=None) -> PrefillCurve:
+              announce=None, prior: Callable[[], PrefillCurve | None] | None = None,
+              say: Callable[[str], None] | None = None) -> PrefillCurve:
     """Fit a PrefillCurve to measure(n, ctx) -> seconds at each point (min of `repeats`).
 
     With cache_path, a cache written for the same `key` (see machine_key) is used without
     measuring (unless use_cache is False: measured again and rewritten, as when the
     planner finds the cached curve far off); a missing, foreign, corrupt or implausible
     one is measured again and rewritten.
-    budget_s: points are measured cheapest first, and once three are in, a point whose
-    predicted cost would take the calibration past `budget_s` seconds is left out (a slow
-    machine starts in seconds, with a curve fitted on shorter prefills). None: every point.
+    budget_s: points are measured cheapest first, and a point whose predicted cost would
+    take the calibration past `budget_s` seconds is left out (a slow machine starts in
+    seconds, with a curve fitted on shorter prefills). None: every point. Until three
+    points are in, the prediction is `prior`'s (an estimate from bytes and FLOPs, see
+    estimate.py), scaled by what the points measured so far took against it; without a
+    prior (or one that returns None) the first three are measured whatever they cost.
+    When fewer than three fit the budget (one point is a pass over a model far larger than the machine's memory), the
+    curve is the prior so scaled, said so, and not cached (estimated again next start).
     announce: a context manager factory (progress.step) wrapped round the measuring, which
-    a cache hit skips.
+    a cache hit skips and an estimate needs not; say: where an estimate is said (default:
+    a logged warning).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -290,30 +300,59 @@ def calibrate(measure: Callable[[int, int], float],
         cached = _load_cache(cache_path, key)
         if cached is not None:
             return cached
+    guess = prior() if prior is not None and budget_s is not None else None
+    first = min(points, key=lambda p: sum(_features(*p)))
+    if guess is not None and guess.predict(*first) > budget_s:
+        announce = None     # nothing will be measured: no "calibrating..." line
     budget = "" if budget_s is None else f", at most {budget_s:g} s"
     with (announce(f"calibrating the prefill cost curve ({len(points)} points{budget}; "
                    "cached for the next start)") if announce is not None
           else contextlib.nullcontext()):
-        measured = []
-        spent = 0.0
-        order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
-        for n, ctx in order:
-            if budget_s is not None and len(measured) >= 3:
-                guess = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
-                if spent + guess > budget_s:
-                    continue
-            # The min: noise (other work, page faults) only ever adds time. A point that
-            # alone outlasts the budget (a model far larger than the machine) is not
-            # measured again.
-            runs = [float(measure(int(n), int(ctx)))]
-            while len(runs) < repeats and (budget_s is None or spent + sum(runs) < budget_s):
-                runs.append(float(measure(int(n), int(ctx))))
-            spent += sum(runs)
-            measured.append((int(n), int(ctx), min(runs)))
+        measured = _measure_points(measure, points, repeats, budget_s, guess)
+    if len(measured) < 3 and guess is not None:
+        curve = guess.scaled(_prior_factor(guess, measured))
+        (say or log.warning)(
+            f"prefill cost curve estimated from bytes and FLOPs, not measured: a "
+            f"{first[0]}-token prefill is predicted at {curve.predict(*first):.0f} s, past the "
+            f"{budget_s:g} s calibration budget ({len(measured)} point(s) measured); the "
+            "planner corrects it from the requests served")
+        return curve
     curve = PrefillCurve.fit(measured)
     if cache_path is not None:
         _write_cache(cache_path, key, measured, curve)
     return curve
+
+
+def _prior_factor(guess: PrefillCurve, measured) -> float:
+    """Measured over predicted, the median over the points measured (1: none)."""
+    ratios = [s / guess.predict(n, ctx) for n, ctx, s in measured if guess.predict(n, ctx) > 0]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
+def _measure_points(measure, points, repeats: int, budget_s: float | None,
+                    guess: PrefillCurve | None) -> list[tuple[int, int, float]]:
+    measured = []
+    spent = 0.0
+    order = points if budget_s is None else sorted(points, key=lambda p: sum(_features(*p)))
+    for n, ctx in order:
+        if budget_s is not None and len(measured) >= 3:
+            predicted = PrefillCurve.fit(measured).predict(int(n), int(ctx)) * repeats
+            if spent + predicted > budget_s:
+                continue
+        elif guess is not None:
+            # One run at least must fit: the prior says what the first would cost.
+            predicted = guess.predict(int(n), int(ctx)) * _prior_factor(guess, measured)
+            if spent + predicted > budget_s:
+                continue
+        # The min: noise (other work, page faults) only ever adds time. A point that
+        # alone outlasts the budget (a model far larger than the machine) is not
+        # measured again.
+        runs = [float(measure(int(n), int(ctx)))]
+        while len(runs) < repeats and (budget_s is None or spent + sum(runs) < budget_s):
+            runs.append(float(measure(int(n), int(ctx))))
+        spent += sum(runs)
+        measured.append((int(n), int(ctx), min(runs)))
+    return measured
 
 
 class Bandwidth:

@@ -43,7 +43,9 @@ import numpy as np
 
 from .. import paths, progress
 from ..tiers.chain import DISK, REMOTE
-from .costs import DEFAULT_POINTS, Bandwidth, CostModel, calibrate, machine_key
+from .costs import (DEFAULT_POINTS, Bandwidth, CostModel, PrefillCurve, calibrate,
+                    load_cache, machine_key)
+from .estimate import estimate_for
 from .reads import StoreView, prefix_costs
 from .split import Plan, PrefixCosts, choose_plan, split_compute
 
@@ -70,6 +72,20 @@ class _Closing(progress.Stopped):
 def cache_dir() -> Path:
     """Where calibrations are cached: the one cache root (paths.cache_dir)."""
     return paths.cache_dir()
+
+
+def cache_entry(machine: str, budget_s: float | None) -> tuple[Path, str]:
+    """(the calibration cache file, its key) of a planner on `machine` (costs.machine_key)."""
+    name = hashlib.sha256(machine.encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{name}.json", f"{machine};budget={budget_s}"
+
+
+def measured_curve(spec, device, dtype) -> PrefillCurve | None:
+    """The prefill curve an earlier start calibrated for `spec` on this machine, if cached
+    (what a planner built now would use); None: none, or not a measurement."""
+    path, key = cache_entry(machine_key(_model_label(spec), device, dtype),
+                            CALIBRATION_BUDGET_S)
+    return load_cache(path, key)
 
 
 class _Learned:
@@ -106,8 +122,10 @@ class Planner:
 
     def __init__(self, measure: Callable[[int, int], float], store: StoreView, policy, *,
                  n_layers: int, max_positions: int, tier_names, machine: str,
-                 retention: float = 1.0, points=DEFAULT_POINTS):
+                 retention: float = 1.0, points=DEFAULT_POINTS,
+                 prior: Callable[[], PrefillCurve | None] | None = None):
         self.measure = measure
+        self.prior = prior     # an estimate of the curve, for calibration's budget
         self.store = store
         self.policy = policy
         self.n_layers = n_layers
@@ -148,7 +166,7 @@ class Planner:
                    tier_names=engine.tier_names, retention=engine.config.retention,
                    machine=machine_key(_model_label(engine.rt.spec), engine.device,
                                        engine.dtype),
-                   points=points)
+                   points=points, prior=lambda: estimate_for(engine.rt))
 
     # -- the cost model -----------------------------------------------------------------
     def cost(self) -> CostModel:
@@ -160,12 +178,9 @@ class Planner:
             return self._cost
 
     def _calibrate(self, use_cache: bool):
-        key = self.machine
-        name = hashlib.sha256(key.encode()).hexdigest()[:16]
-        key += f";budget={self.budget_s}"
-        return calibrate(self._measure, self.points, cache_dir() / "costs" / f"{name}.json",
-                         key=key, budget_s=self.budget_s, use_cache=use_cache,
-                         announce=progress.step)
+        path, key = cache_entry(self.machine, self.budget_s)
+        return calibrate(self._measure, self.points, path, key=key, budget_s=self.budget_s, use_cache=use_cache,
+                         announce=progress.step, prior=self.prior, say=progress.say)
 
     def recalibrate(self, wait: bool = False) -> None:
         """Measure the prefill curve again in the background (the engine's requests go on:
