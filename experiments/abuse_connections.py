@@ -86,8 +86,8 @@ def slow_clients(service, quick: bool = True) -> str | None:
     """The class's round (see the module's notes); an error line, or None if it passed."""
     import httpx2
 
-    from impress_flexgen.serve import background_server
-    from impress_flexgen.serve_guard import ServerOptions
+    from impress_flexgen.entrypoints.openai.guard import ServerOptions
+    from impress_flexgen.entrypoints.openai.server import background_server
 
     deadline_s, cap = 3.0, 8
     warnings = Warnings()

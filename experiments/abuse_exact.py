@@ -52,7 +52,7 @@ def _prompts(rt, quick: bool) -> tuple[list[int], list[int], list[int], list[int
     if quick:
         ids = np.random.default_rng(7).integers(10, 40000, 350).tolist()
         return ids[:200], ids[200:215], ids[215:230], ids[230:]
-    from impress_flexgen.corpus import passages
+    from impress_flexgen.bench.corpus import passages
 
     first, second = passages("austen_pride_and_prejudice", 1400, 2, seed=3)
     return rt.tokenizer.encode(first)[:300], rt.tokenizer.encode(" The letter said that"), \
@@ -70,8 +70,9 @@ def stored_vs_computed_logprobs(quick: bool, workdir: Path | None = None) -> dic
 
 
 def _run_cases(quick: bool, tmp: Path) -> dict:
-    from impress_flexgen.engine import Engine, Request, TierSizes, assemble, open_store
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.engine import Engine, Request, assemble, open_store
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.tiers import TierConfig
     from policies import ServingConfig, make_policy
 
     model = "llama-tiny" if quick else "smollm2-135m"
@@ -86,7 +87,7 @@ def _run_cases(quick: bool, tmp: Path) -> dict:
             fmt = {} if kv_format is None else {"kv_format": kv_format}
             store = open_store(tmp / name, rt, cfg, full, **fmt)
             opened.append(store)
-            return assemble(rt, full, store, TierSizes()).engine
+            return assemble(rt, full, store, TierConfig()).engine
 
         def ask(e: Engine, p, q):
             return e.serve(Request(p, q, 4, forced=q[:3]), query_logits=True)

@@ -28,7 +28,7 @@ MODEL = "llama-tiny"
 
 
 def _curve_points():
-    from impress_flexgen.costs import DEFAULT_POINTS
+    from impress_flexgen.planner.costs import DEFAULT_POINTS
 
     return DEFAULT_POINTS
 
@@ -41,7 +41,7 @@ def _measure(n: int, ctx: int) -> float:
 def _calibrates_again(setup, limit_s: float = 10.0) -> str | None:
     """Calibrate with a cache file prepared by `setup(path)`: it must measure (not trust the
     file, not block, not raise) within `limit_s`."""
-    from impress_flexgen.costs import calibrate
+    from impress_flexgen.planner.costs import calibrate
 
     with tempfile.TemporaryDirectory(prefix="abuse-cost-") as tmp:
         path = Path(tmp) / "prefill.json"
@@ -83,7 +83,7 @@ def cost_nested() -> str | None:
 
 
 def cost_zero() -> str | None:
-    from impress_flexgen.costs import CACHE_VERSION, DEFAULT_POINTS
+    from impress_flexgen.planner.costs import CACHE_VERSION, DEFAULT_POINTS
 
     # Well formed, for this very key: only the plausibility check can refuse it.
     doc = {"version": CACHE_VERSION, "key": "abuse", "coef": [0, 0, 0],
@@ -92,8 +92,8 @@ def cost_zero() -> str | None:
 
 
 def _run_cli(argv) -> tuple[int, list[str]]:
-    from impress_flexgen import run
-    from impress_flexgen.cli import run_main
+    from impress_flexgen.entrypoints import run
+    from impress_flexgen.entrypoints.process import run_main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

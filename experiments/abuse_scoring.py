@@ -135,7 +135,7 @@ def logits_memory(quick: bool, workdir=None) -> dict:
 def tiny_server(workdir=None, **config):
     """(url, service) of a llama-tiny server on a loopback port, in a temporary folder."""
     from impress_flexgen.config import ServiceConfig
-    from impress_flexgen.serve import background_server
+    from impress_flexgen.entrypoints.openai.server import background_server
     from impress_flexgen.service import Service
 
     with contextlib.ExitStack() as stack:

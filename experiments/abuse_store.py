@@ -44,13 +44,14 @@ def _prompt(seed: int, n: int, vocab: int = 40000) -> list[int]:
 
 
 def _engine(rt, store_dir, url=None, secret=None):
-    from impress_flexgen.engine import TierSizes, assemble, open_store
+    from impress_flexgen.engine import assemble, open_store
+    from impress_flexgen.tiers import TierConfig
     from policies import ServingConfig, make_policy
 
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=CHUNK)
-    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url, remote_secret=secret)).engine
+    engine = assemble(rt, policy, store, TierConfig(0, 0, remote_url=url, remote_secret=secret)).engine
     if engine.shared is not None:     # always worth reading: this is about what it holds
         engine.shared.recompute_s = lambda n, ctx: 1e9
     return engine, store
@@ -97,8 +98,8 @@ def _env(name: str, value: str | None):
 
 
 def _refused_in_one_line(argv) -> tuple[int, list[str]]:
-    from impress_flexgen import run
-    from impress_flexgen.cli import run_main
+    from impress_flexgen.entrypoints import run
+    from impress_flexgen.entrypoints.process import run_main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -136,7 +137,7 @@ def _forge(url: str, namespace, prefix, how: str, seed: int) -> int:
 def unauthenticated_pool(quick: bool, workdir=None) -> dict:
     """One forgery quick (zeros), three otherwise (zeros, noise, zeros over other prompts)."""
     from impress_flexgen.engine import Request, start_engine
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
     from tests.redis_server import RedisServer, find_redis_server
 
     binary = find_redis_server()
@@ -249,7 +250,7 @@ def _negate_safetensors(path: Path, name: str) -> None:
 
 
 def _build(ckpt: Path, off: Path):
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     return Runtime(RuntimeConfig(model_path=str(ckpt), offload_dir=str(off)))
 

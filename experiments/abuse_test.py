@@ -369,9 +369,9 @@ def run(classes, rounds: int, quick: bool) -> dict:
 
 
 def run_clients(classes, rounds: int, quick: bool) -> dict:
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
-    from impress_flexgen.serve import background_server
-    from impress_flexgen.serve_guard import ServerOptions
+    from impress_flexgen.entrypoints.openai.guard import ServerOptions
+    from impress_flexgen.entrypoints.openai.server import background_server
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
     from impress_flexgen.service import Service, ServiceConfig
 
     results = {}

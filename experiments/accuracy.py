@@ -3,7 +3,7 @@
     python -m experiments.accuracy [--model smollm2-135m] [--quick] [--sensitivity]
                                    [--only LABELS] [--json PATH] [--figure PATH]
 
-Shared prefixes of natural text (public-domain books, impress_flexgen.corpus; 2 x 1024
+Shared prefixes of natural text (public-domain books, impress_flexgen.bench.corpus; 2 x 1024
 tokens, Emma and Genesis; quick: one) are reused by many queries, as in a few-shot setting.
 For each configuration (policy x retention x knobs): a fresh store in a temporary directory;
 each prefix stored once as a cold serve stores it (see "Seeding"); one warm-up query per
@@ -131,13 +131,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from impress_flexgen import scratch
-from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
-from impress_flexgen.corpus import list_texts, passages
+from impress_flexgen.bench.corpus import list_texts, passages
+from impress_flexgen.bench.runner import RunConfig, kl_divergence, summarize
 from impress_flexgen.engine import FamilyMath, Request, StoreSpec, assemble
+from impress_flexgen.entrypoints.args import ArgumentParser, choose_list, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload_runner import RunConfig, kl_divergence, summarize
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.store import scratch
 from policies import ServingConfig, make_policy
 from policies.base import resolve_probe_heads
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from impress_flexgen.corpus import passages
+from impress_flexgen.bench.corpus import passages
 
 
 # Distinct prompts' passages: a book holds a few dozen non-overlapping 2,000-character
@@ -88,9 +88,9 @@ def batching_rows(rt, model: str, root, client_counts, batch_size: int, per_clie
                   kinds=("shared", "distinct")) -> list[dict]:
     """Rows {clients, max_batch_size, prefix, ...}: batched and max-batch-size 1 over the
     same requests, shared and distinct prefixes."""
-    from impress_flexgen import scratch
+    from impress_flexgen.bench.runner import RunConfig
     from impress_flexgen.service import Service, ServiceConfig
-    from impress_flexgen.serving import RunConfig
+    from impress_flexgen.store import scratch
 
     rows = []
     for kind in kinds:

@@ -22,14 +22,15 @@ import threading
 
 import numpy as np
 
-from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
+from impress_flexgen.entrypoints.process import run_main
 
 MODES = ("one_team", "second_team")
 
 
 def child(model: str, mode: str, tokens: int, prompt_len: int, batch: int) -> dict:
     from experiments.bench_decode import batched, ours
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     with Runtime(RuntimeConfig(model=model)) as rt:
         vocab = rt.spec.config.vocab_size

@@ -24,7 +24,8 @@ import time
 import numpy as np
 import torch
 
-from impress_flexgen.cli import ArgumentParser, finite_float, int_range, run_main, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, int_range, write_json
+from impress_flexgen.entrypoints.process import run_main
 
 
 def memcpy_gb_s(device, mb: int = 512, rounds: int = 5) -> float:
@@ -43,9 +44,9 @@ def memcpy_gb_s(device, mb: int = 512, rounds: int = 5) -> float:
 
 
 def ours(rt, prompt, n_tokens, profile=False):
-    from policies import make_policy
+    from impress_flexgen.bench.runner import RunConfig
     from impress_flexgen.engine import Request, assemble
-    from impress_flexgen.serving import RunConfig
+    from policies import make_policy
 
     engine = assemble(rt, make_policy("full", RunConfig(label="full", policy="full").serving()), None).engine
     engine.serve(Request(prompt[:-1], prompt[-1:], max_new_tokens=4))   # warm up
@@ -65,9 +66,9 @@ def batched(rt, prompt, n_tokens, batch, rounds=1, masked=0.0):
     side (the engine's way) and request by request, in turn for `rounds` rounds (medians),
     and of one alone. `masked`: the fraction of each context's prompt tokens each KV head
     leaves out (seeded), as a policy's per-head selection does; 0 attends everything."""
-    from policies import make_policy
+    from impress_flexgen.bench.runner import RunConfig
     from impress_flexgen.engine import Request, assemble
-    from impress_flexgen.serving import RunConfig
+    from policies import make_policy
 
     engine = assemble(rt, make_policy("full", RunConfig(label="full", policy="full").serving()), None).engine
     reqs = [Request(prompt[:-1 - i], prompt[-1 - i:], max_new_tokens=n_tokens)
@@ -142,9 +143,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.tokens, args.prompt, args.rounds = 16, 64, 1
 
-    from impress_flexgen.placement import Placement
-    from impress_flexgen.reference import load_reference
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.placement import Placement
+    from impress_flexgen.models.reference import load_reference
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     with tempfile.TemporaryDirectory() as off, \
             Runtime(RuntimeConfig(model=args.model, offload_dir=off, dtype=np.float32,

@@ -28,7 +28,7 @@ import torch
 
 def measure(quick: bool, threads: int | None = None) -> dict:
     from impress_flexgen.engine import Request, RequestStats, Sequence, assemble, model_shape
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
     from impress_flexgen.store import CHUNK_SIZE
     from policies import make_policy
 

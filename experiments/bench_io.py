@@ -48,10 +48,11 @@ import numpy as np
 import torch
 
 import disk_layout.io as disk_io
-from impress_flexgen import scratch
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
+from impress_flexgen.store import scratch
 
 GB = 1e9
 RAW_BLOCK = 1 << 20

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from disk_layout.format import INT4_GROUP, decode_probe, encode_probe
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
 from policies.base import ProbeKeys, ServingConfig
 from policies.itf import probe_scores
 

@@ -42,14 +42,17 @@ from pathlib import Path
 import redis
 import torch
 
-from impress_flexgen import scratch
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.bench.runner import RunConfig, prepared
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.engine.assemble import start_engine
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, prepared, start_engine
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.store import scratch
+from impress_flexgen.tiers import TierConfig
 from impress_flexgen.tiers.remote import RemoteNamespace, chunk_hashes
-from impress_flexgen.workload import WorkloadConfig, build_workload
 from policies import ServingConfig, make_policy
 
 RECOMPUTE, DISK, REDIS, IMPRESS = "recompute", "local disk", "redis only", "impress disk"
@@ -164,7 +167,7 @@ class Ways:
         self.recompute = None
         if not args.no_recompute:
             recomp = make_policy("recomp", ServingConfig(retention=1.0))
-            self.recompute = assemble(rt, recomp, None, TierSizes()).engine
+            self.recompute = assemble(rt, recomp, None, TierConfig()).engine
             for _, query in wl.warmup:   # as prepared() warms the others: no cold first call
                 self.recompute.serve(Request(self.prefix, query, 1))
         self.full_run = RunConfig(DISK, "full", 1.0, chunk_size=cs)
@@ -172,7 +175,7 @@ class Ways:
         # wrote it through to the pool, so the pool holds the very bytes its disk holds.
         # With the whole prefix matched locally it never asks the pool afterwards.
         self.disk = stack.enter_context(prepared(rt, wl, self.full_run,
-                                                 TierSizes(remote_url=url), store_root=root))
+                                                 TierConfig(remote_url=url), store_root=root))
         stack.callback(self.disk.engine.close)
         pool = self.disk.engine.shared
         if not pool.tier.flush(30):
@@ -191,7 +194,7 @@ class Ways:
             self.impress = stack.enter_context(prepared(
                 rt, wl, RunConfig(IMPRESS, "impress:all", args.retention, granularity="chunk",
                                   threshold="none", probe_heads="auto", probe_format="int4",
-                                  chunk_size=cs), TierSizes(), store_root=root))
+                                  chunk_size=cs), TierConfig(), store_root=root))
 
     def names(self) -> list[str]:
         return ([RECOMPUTE] if self.recompute else []) + [DISK, REDIS] + \
@@ -217,7 +220,7 @@ class Ways:
             policy = make_policy("full", cfg)
             store = open_store(Path(work) / "store", self.rt, cfg, policy,
                                **self.full_run.store_options())
-            engine = assemble(self.rt, policy, store, TierSizes(remote_url=url)).engine
+            engine = assemble(self.rt, policy, store, TierConfig(remote_url=url)).engine
             # This way measures reads from the pool: never skipped by the budget (on a
             # busy machine one slow round trip can make a tiny model's compute look cheaper).
             engine.shared.recompute_s = lambda n, ctx: float("inf")

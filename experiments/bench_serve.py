@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from impress_flexgen.cli import ArgumentParser, finite_float, int_range, run_main, write_json
-from impress_flexgen.corpus import passages
+from impress_flexgen.bench.corpus import passages
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, int_range, write_json
+from impress_flexgen.entrypoints.process import run_main
 
 POLICIES = ("impress", "full", "recomp")
 SYSTEM = ("You are a careful reader. Answer questions about the following text, quoting it "
@@ -200,12 +201,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from impress_flexgen import scratch
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
-    from impress_flexgen.serve import background_server
-    from impress_flexgen.serve_guard import ServerOptions
+    from impress_flexgen.bench.runner import RunConfig, kv_bytes_per_token
+    from impress_flexgen.entrypoints.openai.guard import ServerOptions
+    from impress_flexgen.entrypoints.openai.server import background_server
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
     from impress_flexgen.service import Service, ServiceConfig
-    from impress_flexgen.serving import RunConfig, kv_bytes_per_token
+    from impress_flexgen.store import scratch
 
     system, users = build_conversations(args.system_chars, args.conversations, args.turns)
     root = Path(args.store_root) if args.store_root else Path(tempfile.gettempdir())

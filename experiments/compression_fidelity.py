@@ -21,11 +21,12 @@ import time
 import numpy as np
 import torch
 
-from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
-from impress_flexgen.corpus import list_texts, passages
+from impress_flexgen.bench.corpus import list_texts, passages
 from impress_flexgen.engine import Request, assemble
-from impress_flexgen.quant import Groups
-from impress_flexgen.runtime import Runtime, RuntimeConfig
+from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.quant import Groups
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from policies import ServingConfig, make_policy
 
 CONFIGS = {

@@ -49,7 +49,7 @@ START_S = 10.0           # a child's imports before its own budget starts counti
 GRACE_S = 10.0           # between SIGTERM and SIGKILL
 POLL_S = 2.0
 # Tests that run the engine and its tiers on the compute device (CUDA where there is one):
-# the first whole, the others without their slow tests (tests/conftest.py's SLOW_TESTS).
+# the first whole, the others without their slow tests (@pytest.mark.slow).
 DEVICE_TESTS = "tests/test_device_selection.py"
 CUDA_TESTS = (DEVICE_TESTS, "tests/test_engine_exactness.py", "tests/test_engine_requests.py",
               "tests/test_memory_tiers.py", "tests/test_compat.py")
@@ -209,8 +209,7 @@ def plan(args, work: Path, stores: Path) -> list[Step]:
     sizes = DRY if args.dry else FULL
     tests = [t for t in CUDA_TESTS if (ROOT / t).exists()]
     others = [t for t in tests if t != DEVICE_TESTS]
-    deselect = [arg for t in slow_tests() if t.split("::")[0] in others
-                for arg in ("--deselect", t)]
+    deselect = [arg for t in slow_tests(others) for arg in ("--deselect", t)]
     repro_out = work / "gpu_repro"
     repro = [*py, "experiments.gpu_repro", "--out", str(repro_out), "--models", sizes.models,
              "--prefix-tokens", str(sizes.prefix_tokens), "--query-tokens",
@@ -229,16 +228,22 @@ def plan(args, work: Path, stores: Path) -> list[Step]:
             Step("planner", planner, work / "planner_gpu.json", work / "planner_gpu.png")]
 
 
-def slow_tests() -> list[str]:
-    """tests/conftest.py's SLOW_TESTS, read without importing it (sorted)."""
+def slow_tests(paths) -> list[str]:
+    """The tests of `paths` (tests/x.py) marked @pytest.mark.slow, read without importing
+    them (sorted); a module marked whole (`pytestmark`) gives all its tests."""
     import ast
 
-    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SLOW_TESTS"
-                                                for t in node.targets):
-            return sorted(ast.literal_eval(node.value))
-    return []
+    found = []
+    for path in paths:
+        tree = ast.parse((ROOT / path).read_text())
+        whole = any(isinstance(n, ast.Assign) and ast.unparse(n.value) == "pytest.mark.slow"
+                    and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+                    for n in tree.body)
+        found += [f"{path}::{node.name}" for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and
+                  node.name.startswith("test") and
+                  (whole or "pytest.mark.slow" in map(ast.unparse, node.decorator_list))]
+    return sorted(found)
 
 
 def junit(path: Path) -> dict | None:

@@ -20,8 +20,8 @@ import dataclasses
 
 from experiments.gpu_check import FULL
 from experiments.gpu_repro import _kv_per_token, model_workload, weight_bytes
+from impress_flexgen.bench.workload import WorkloadConfig
 from impress_flexgen.models import resolve
-from impress_flexgen.workload import WorkloadConfig
 
 READ, WRITE, DRAW = 1.1e9, 1.2e9, 10e9          # bytes per second
 PREFILL_30B, QUERY_30B = 0.42, 0.037            # seconds, OPT-30B, 5,120-token prefix

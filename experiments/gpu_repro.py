@@ -46,14 +46,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impress_flexgen import scratch
-from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
-from impress_flexgen.engine import Request, StoreSpec, TierSizes, assemble
+from impress_flexgen.bench.runner import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.engine import Request, StoreSpec, assemble
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import MODEL_NAMES, resolve
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
-from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.store import scratch
+from impress_flexgen.tiers import TierConfig
 from policies.replay import Recorder, Trace, load_trace, request_entry, save_trace
 
 PROG = "python -m experiments.gpu_repro"
@@ -246,7 +248,7 @@ def record_trace(args, wcfg: WorkloadConfig, root: Path, log=print) -> Trace:
     with Runtime(RuntimeConfig(model=args.trace_model, seed=args.seed)) as rt:
         wl = build_workload(rt.tokenizer, src_cfg)
         pool = src_cfg.n_prefixes * n_src * kv_bytes_per_token(rt)
-        tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
+        tiers = TierConfig(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         policy = Recorder(cfg)
         tmp = scratch.make(root, "tracestore")
         stack = assemble(rt, policy, StoreSpec(tmp, reorder_interval=10**9,
@@ -479,7 +481,7 @@ def _serve_model(args, name, wcfg, rows, entry, result, root, budget, trace_path
                                placement=placement)) as rt:
         budget.record("build", time.perf_counter() - t0, (weight_bytes(rt.spec),))
         sizes = row_sizes(rt.spec, wcfg)
-        tiers = TierSizes(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
+        tiers = TierConfig(int(pool * args.gpu_cache_fraction), int(pool * args.cpu_cache_fraction))
         wl = build_workload(rt.tokenizer, wcfg)
         entry.update(placement=why, placement_percent=dataclasses.asdict(placement),
                      weights_bytes=weight_bytes(rt.spec), max_seq_len=rt.spec.config.max_seq_len,

@@ -25,12 +25,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
-from impress_flexgen.corpus import load_text
+from impress_flexgen.bench.corpus import load_text
 from impress_flexgen.engine import Request, assemble
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import resolve
-from impress_flexgen.runtime import Runtime, RuntimeConfig
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from policies import DecodeConfig, ServingConfig, make_policy
 from policies.page_index import IndexConfig
 

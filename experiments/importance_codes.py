@@ -22,13 +22,15 @@ import numpy as np
 
 from disk_layout.metadata_codec import IMPORTANCE_BITS, decode_importance, encode_importance
 from experiments.reproduce import FULL, PAPER_TOKEN, QUICK
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
+from impress_flexgen.bench.runner import (RunConfig, kl_divergence, kv_bytes_per_token, prepared,
+                                          run_workload)
+from impress_flexgen.bench.workload import build_workload
 from impress_flexgen.config import StoreOptions
-from impress_flexgen.engine import Request, TierSizes
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload import build_workload
-from impress_flexgen.workload_runner import (RunConfig, kl_divergence, kv_bytes_per_token,
-                                             prepared, run_workload)
+from impress_flexgen.engine import Request
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 
 RUNS = (RunConfig("impress", "impress"), RunConfig("impress-token (paper)", "impress",
                                                    **PAPER_TOKEN))
@@ -53,7 +55,7 @@ def parse_args(argv):
     return args
 
 
-def serve(rt, wl, run: RunConfig, tiers: TierSizes, reference: dict, bits: int | None):
+def serve(rt, wl, run: RunConfig, tiers: TierConfig, reference: dict, bits: int | None):
     """One reorder after the warm-up (importance as stored in `bits`-bit codes, or float32
     for None), then the measured queries: (orders per (node start, layer), row)."""
     with prepared(rt, wl, run, tiers, store=StoreOptions(reorder_interval=0)) as ready:
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     with Runtime(RuntimeConfig(model=args.model)) as rt:
         wl = build_workload(rt.tokenizer, cfg)
         pool = cfg.n_prefixes * cfg.prefix_tokens * kv_bytes_per_token(rt)
-        tiers = TierSizes(int(pool * 0.10), int(pool * 0.25))
+        tiers = TierConfig(int(pool * 0.10), int(pool * 0.25))
         reference: dict = {}
         run_workload(rt, wl, RunConfig("full", "full", 1.0), tiers, reference=reference)
         for run in runs:

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from experiments.accuracy import FULL, QUICK, build_tasks
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from disk_layout.metadata import LayerRow, Metadata
-from impress_flexgen.cli import ArgumentParser, int_range, run_main, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
+from impress_flexgen.entrypoints.process import run_main
 
 # (layers, KV heads, head dim): fp16 K and V.
 SHAPES = {"smollm2-135m": (30, 3, 64), "opt-6.7b": (32, 32, 128), "opt-13b": (40, 40, 128),

@@ -49,13 +49,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impress_flexgen import scratch
-from impress_flexgen.cli import ArgumentParser, run_main, write_json
-from impress_flexgen.engine import Request, TierSizes
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload_runner import (RunConfig, kl_divergence, prepared, run_workload,
-                                             summarize)
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.bench.runner import (RunConfig, kl_divergence, prepared, run_workload,
+                                          summarize)
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.engine import Request
+from impress_flexgen.entrypoints.args import ArgumentParser, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.store import scratch
+from impress_flexgen.tiers import TierConfig
 
 
 def _cache_arg(model) -> str:
@@ -77,7 +79,7 @@ class HuggingFace:
 
     @torch.no_grad()
     def __init__(self, spec, prefix, workdir: Path):
-        from impress_flexgen.reference import load_reference
+        from impress_flexgen.models.reference import load_reference
 
         self.model = load_reference(spec)
         self.arg = _cache_arg(self.model)
@@ -182,11 +184,11 @@ def measure(rt: Runtime, wl, root: Path, workdir: Path, rounds: int) -> tuple[li
         record("hf-recompute", qi, *hf.recompute(query))
     times["flexgen (no reuse)"] = [rt.generate([prefix + q], max_new_tokens=1).prefill_s
                                    for q in queries]
-    recomp = run_workload(rt, wl, RunConfig("ours: recomp", "recomp", 1.0), TierSizes(),
+    recomp = run_workload(rt, wl, RunConfig("ours: recomp", "recomp", 1.0), TierConfig(),
                           store_root=root, on_response=lambda qi, p, q, resp: times.setdefault(
                               "ours: recomp", []).append(resp.stats.ttft_s))
     with contextlib.ExitStack() as stack:
-        ready = {run.label: stack.enter_context(prepared(rt, wl, run, TierSizes(),
+        ready = {run.label: stack.enter_context(prepared(rt, wl, run, TierConfig(),
                                                          store_root=root)) for run in OURS}
         ways = {"hf-memory": lambda qi, q: record("hf-memory", qi, *hf.memory(q)),
                 "hf-disk": lambda qi, q: record("hf-disk", qi, *hf.disk(q)),

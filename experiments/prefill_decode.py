@@ -14,8 +14,9 @@ import time
 import numpy as np
 import torch
 
-from impress_flexgen.cli import ArgumentParser, dtype_arg, placement_arg, run_main, write_json
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.entrypoints.args import ArgumentParser, dtype_arg, placement_arg, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 
 def parse_args(argv):

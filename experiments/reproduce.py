@@ -43,12 +43,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments import reproduce_figures as figures
-from impress_flexgen.cli import ArgumentParser, choose_list, run_main, write_json
-from impress_flexgen.engine import TierSizes
+from impress_flexgen.bench.runner import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.entrypoints.args import ArgumentParser, choose_list, write_json
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 
 PARTS = ("serving", "ablation", "sensitivity", "scaling", "padded", "overheads", "peers",
          "accuracy")
@@ -122,14 +123,14 @@ def sensitivity_runs() -> list[tuple[str, str, RunConfig]]:
     return [(k, v, dataclasses.replace(r, label=f"{k}={v}")) for k, v, r in out]
 
 
-def _sizes(tiers: TierSizes) -> dict:
+def _sizes(tiers: TierConfig) -> dict:
     """The tiers' record as reported: each run's serving policy picks its tier policy, so
     the record's own is left out (it is not what ran)."""
     return {**{k: v for k, v in dataclasses.asdict(tiers).items() if k != "policy"},
             "copies": tiers.copies}
 
 
-def other_copies(tiers: TierSizes) -> tuple[RunConfig, TierSizes]:
+def other_copies(tiers: TierConfig) -> tuple[RunConfig, TierConfig]:
     """impress on the same tiers under the other mode (exclusive or non-exclusive)."""
     other = dataclasses.replace(tiers, exclusive=not tiers.exclusive)
     return RunConfig(f"impress, {other.copies} tiers", "impress"), other
@@ -144,10 +145,10 @@ class Reproduction:
         self.cache: dict[str, dict] = {}
 
     def tiers_for(self, rt, wl_config: WorkloadConfig, n_prefixes: int | None = None
-                  ) -> TierSizes:
+                  ) -> TierConfig:
         pool = (n_prefixes or wl_config.n_prefixes) * wl_config.prefix_tokens \
             * kv_bytes_per_token(rt)
-        return TierSizes(int(pool * 0.10), int(pool * 0.25), exclusive=self.args.exclusive_tiers)
+        return TierConfig(int(pool * 0.10), int(pool * 0.25), exclusive=self.args.exclusive_tiers)
 
     def serve_all(self, rt, wl, runs, tiers, label: str) -> list[dict]:
         """One row per run, KL against the first; a run given as (run, tiers) runs on
@@ -252,7 +253,7 @@ class Reproduction:
                 print(f"scaling: {n} tokens exceed {rt.spec.name}'s {limit} positions; skipped")
                 continue
             wl = build_workload(rt.tokenizer, cfg)
-            for r in self.serve_all(rt, wl, runs, TierSizes(), f"{n} tokens"):
+            for r in self.serve_all(rt, wl, runs, TierConfig(), f"{n} tokens"):
                 rows.append({"prefix_tokens": n, **_pick(r, r["label"]),
                              "bytes_read_total": sum(r["bytes_read"].values())
                              + r["probe_bytes"]})

@@ -12,11 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
-from impress_flexgen.engine import TierSizes
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload_runner import RunConfig, run_workload
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.bench.runner import RunConfig, run_workload
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 
 
 def runs(retention: float, chunk_sizes) -> list[RunConfig]:
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         wl = build_workload(rt.tokenizer, wcfg)
         reference: dict = {}
         for run in runs(args.retention, chunk_sizes):
-            r = run_workload(rt, wl, run, TierSizes(0, 0), store_root=Path(tempfile.gettempdir()),
+            r = run_workload(rt, wl, run, TierConfig(0, 0), store_root=Path(tempfile.gettempdir()),
                              reference=reference)
             rows.append(r)
             kl = "-" if r["kl"] is None else f"{r['kl']:.4f}"

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from impress_flexgen.cli import ArgumentParser, finite_float, run_main, write_json
-from impress_flexgen.engine import TierSizes
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, write_json
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 
-from impress_flexgen.workload_runner import RunConfig, kv_bytes_per_token, run_workload
+from impress_flexgen.bench.runner import RunConfig, kv_bytes_per_token, run_workload
 
 
 def default_runs(retention: float, chunk_size: int) -> list[RunConfig]:
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
             n_prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
             queries_per_prefix=args.queries, query_tokens=args.query_tokens))
         pool = args.prefixes * args.prefix_tokens * kv_bytes_per_token(rt)
-        tiers = TierSizes(int(pool * args.gpu_cache_fraction),
+        tiers = TierConfig(int(pool * args.gpu_cache_fraction),
                           int(pool * args.cpu_cache_fraction), exclusive=args.exclusive_tiers)
         reference: dict = {}
         results = []

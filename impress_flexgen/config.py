@@ -23,7 +23,7 @@ from pathlib import Path
 from policies import ServingConfig
 
 from .errors import UserError
-from .runtime import AUTO, RuntimeConfig
+from .models.runtime import AUTO, RuntimeConfig
 from .store.config import CHUNK_SIZE
 from .tiers import TierConfig
 from .tiers.remote_url import SECRET_ENV, check_pool_trust

@@ -77,7 +77,7 @@ class ServiceMetrics:
         from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                        disable_created_metrics)
 
-        from .serving import PLAN_KINDS
+        from .planner import PLAN_KINDS
         from .tiers import REMOTE
 
         self.engine, self.store = engine, store

@@ -105,8 +105,8 @@ class Service:
 
         from .engine import SchedulerConfig, model_shape
         from .engine.assemble import StoreSpec, assemble, make_serving_policy
-        from .runtime import Runtime, resolve_spec
-        from .store_root import _store_name, claim_store_root
+        from .models.runtime import Runtime, resolve_spec
+        from .store.root import _store_name, claim_store_root
 
         run = config.run
         if run.policy.partition(":")[0] not in POLICY_NAMES:

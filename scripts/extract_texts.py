@@ -435,7 +435,7 @@ Written by `scripts/extract_texts.py`; do not edit by hand. Regenerate with:
 Every file is a public-domain text, cleaned to UTF-8 plain text: paragraphs separated by one
 blank line, prose paragraphs on one line, verse and dialogue keeping their line breaks, no
 markup and no Project Gutenberg license boilerplate. Each file holds whole units (chapters,
-acts, books) from the start of the work. Loaded by `impress_flexgen.corpus`.
+acts, books) from the start of the work. Loaded by `impress_flexgen.bench.corpus`.
 """
 
 

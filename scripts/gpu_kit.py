@@ -66,7 +66,7 @@ def sha256(path: Path) -> str:
 
 def build(out: Path) -> int:
     """Make the kit in `out` (replacing it whole); returns its size in bytes."""
-    from impress_flexgen.tokenizer import export_stand_in
+    from impress_flexgen.models.tokenizer import export_stand_in
 
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from experiments import accuracy
+from impress_flexgen.bench.runner import RunConfig, kl_divergence
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import RunConfig, kl_divergence
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+
+pytestmark = pytest.mark.slow     # every test here runs a model or a harness end to end
 
 FIELDS = ("policy", "label", "config", "retention", "task", "score", "kl", "top1_agreement",
           "bytes_loaded_fraction", "fallback_rate")

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
-from impress_flexgen.sampling import SamplingParams
+from impress_flexgen.engine import Request, assemble, open_store
 from impress_flexgen.engine import SchedulerConfig
+from impress_flexgen.sampling import SamplingParams
+from impress_flexgen.tiers import TierConfig
 from policies import POLICY_NAMES, ServingConfig, make_policy
 
 CHUNK = 16
@@ -70,7 +71,7 @@ def serve_both(rt, tmp_path, name, retention, stop_token=None, batch=8):
         store = open_store(tmp_path / f"{name}-{mode}", rt, cfg, policy, chunk_size=CHUNK) \
             if policy.reuse else None
         try:
-            engine = assemble(rt, policy, store, TierSizes()).engine
+            engine = assemble(rt, policy, store, TierConfig()).engine
             stem, reqs = requests(stop_token)
             engine.serve(Request(stem, [5], 1))          # the stored prefix
             if mode == "alone":
@@ -91,7 +92,7 @@ def engine_on_store(rt, path, name="full", retention=None):
     policy = make_policy(name, cfg)
     store = open_store(path, rt, cfg, policy, chunk_size=CHUNK)
     try:
-        engine = assemble(rt, policy, store, TierSizes()).engine
+        engine = assemble(rt, policy, store, TierConfig()).engine
         yield engine, store
         engine.close()
     finally:
@@ -112,6 +113,7 @@ def check_equal(alone, batched):
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_batched_equals_alone_at_full_retention(tiny_runtimes, tmp_path, name):
     rt = tiny_runtimes["llama-tiny"]
@@ -143,7 +145,7 @@ def test_opt_batched_equals_alone(tiny_runtimes, tmp_path):
 
 def test_admission_waits_for_memory_and_batch_size(tiny_runtimes, tmp_path):
     rt = tiny_runtimes["llama-tiny"]
-    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierConfig()).engine
     _, reqs = requests(None)
     engine.schedule_by(SchedulerConfig(max_batch_size=3))
     sched = engine.scheduler
@@ -168,7 +170,7 @@ def test_admission_waits_for_memory_and_batch_size(tiny_runtimes, tmp_path):
 
 def test_a_failing_request_leaves_the_others(tiny_runtimes):
     rt = tiny_runtimes["llama-tiny"]
-    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierConfig()).engine
     good = Request([11, 12, 13], [14], 4, keep_logits=True)
     bad = Request([11, 12], [], 4)                   # no query: refused
     out = engine.serve_all([good, bad, good])
@@ -220,7 +222,7 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
     """Requests admitted together are prefilled in one pass: each layer's weights are
     brought once for all of them, and every answer equals the same request alone."""
     rt = tiny_runtimes["llama-tiny"]
-    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
+    engine = assemble(rt, make_policy("recomp", ServingConfig()), None, TierConfig()).engine
     reqs = [Request(list(range(11, 11 + n)), [7, 8][:1 + n % 2], 1, keep_logits=True)
             for n in (5, 19, 33)]
     alone = [engine.serve(r) for r in reqs]

@@ -20,6 +20,7 @@ POSITIVE = ["raw_read_GBps", "store_read_GBps", "ratio", "selected_read_GBps",
             "build_s"]
 
 
+@pytest.mark.slow
 def test_bench_io_quick(tmp_path):
     out = tmp_path / "io.json"
     assert bench_io.main(["--quick", "--dir", str(tmp_path), "--json", str(out)]) == 0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_remote
 from tests.redis_server import require_redis_server
 
 
+@pytest.mark.slow
 def test_bench_remote_tiny(tmp_path):
     require_redis_server()
     out = tmp_path / "remote.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from impress_flexgen import run
+from impress_flexgen.entrypoints import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +18,7 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--model", "gpt-17"], "unknown model 'gpt-17'"),
     (["--bogus"], "unrecognized arguments"),
@@ -48,6 +49,7 @@ def test_run_bad_input_is_one_line_exit_2(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_verify_bad_input_is_one_line_exit_2(tmp_path):
     for args in (["--prompts", "0", "--model", "opt-tiny"], [], ["--model-path", str(tmp_path),
                                                                  "--model", "x"]):
@@ -55,6 +57,7 @@ def test_verify_bad_input_is_one_line_exit_2(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_every_option():
     r = _cli("impress_flexgen.run", "--help")
     assert r.returncode == 0
@@ -79,6 +82,7 @@ def test_run_generates_and_writes_json(tmp_path, capsys):
     assert "prefill" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_run_unwritable_json_is_a_user_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -87,6 +91,7 @@ def test_run_unwritable_json_is_a_user_error(tmp_path):
     assert r.returncode == 2 and "cannot write" in r.stderr
 
 
+@pytest.mark.slow
 def test_main_job_serves_compares_and_reuses_its_store(tmp_path, capsys):
     store = tmp_path / "stores"
     out = tmp_path / "serve.json"
@@ -107,6 +112,7 @@ def test_main_job_serves_compares_and_reuses_its_store(tmp_path, capsys):
     assert "reusing the store left by an earlier run" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_main_job_refuses_a_foreign_store_dir(tmp_path):
     foreign = tmp_path / "mine"
     foreign.mkdir()

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from impress_flexgen import run, verify
-from impress_flexgen.cli import run_main
+from impress_flexgen.entrypoints import run, verify
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.store.root import STORE_ROOT_MARK, _store_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,15 +226,15 @@ def _impress_store_name() -> str:
     from disk_layout.format import kv_format_of
     from impress_flexgen.models import default_dtype
 
-    return run._store_name("impress", run.parse_args(["--quick"]),
-                           kv_format_of(default_dtype("opt")))
+    return _store_name("impress", run.parse_args(["--quick"]),
+                       kv_format_of(default_dtype("opt")))
 
 
 def test_a_store_that_is_a_file_is_refused(base, tmp_path, capsys):
     """The store root is ours, but the policy's store directory in it is a regular file."""
     stores = tmp_path / "stores"
     stores.mkdir()
-    (stores / run.STORE_ROOT_MARK).touch()
+    (stores / STORE_ROOT_MARK).touch()
     store = stores / _impress_store_name()
     store.write_text("mine")
     _refused(run, [*base, "--quick", "--max-new-tokens", "1"], capsys, str(store))
@@ -244,7 +245,7 @@ def test_a_corrupt_store_database_is_refused_and_kept(base, tmp_path, capsys):
     stores = tmp_path / "stores"
     store = stores / _impress_store_name()
     (store / "data").mkdir(parents=True)
-    (stores / run.STORE_ROOT_MARK).touch()
+    (stores / STORE_ROOT_MARK).touch()
     junk = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8).tobytes()
     (store / "store.sqlite").write_bytes(junk)
     (store / "data" / "1-0.kv").write_bytes(b"k" * 4096)
@@ -254,6 +255,7 @@ def test_a_corrupt_store_database_is_refused_and_kept(base, tmp_path, capsys):
     assert list((tmp_path / "off").iterdir()) == []  # the runtime was closed
 
 
+@pytest.mark.slow
 def test_sigterm_exits_through_the_cleanup(tmp_path):
     off = tmp_path / "off"
     child = subprocess.Popen(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen import compat
+from impress_flexgen.models import compat
 
 ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
@@ -50,6 +50,7 @@ def test_apply_is_a_no_op_with_cuda(monkeypatch):
     assert flex_opt.torch is before
 
 
+@pytest.mark.slow
 @no_cuda
 def test_unpatched_flexgen_fails_on_cpu_as_documented():
     """Guards the premise of the compat layer: plain FlexGen cannot build on CPU-only torch."""
@@ -64,10 +65,11 @@ def test_unpatched_flexgen_fails_on_cpu_as_documented():
     assert "stream-fails" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_disk_threads_never_hang_exit(tmp_path):
     """A process that builds a runtime with disk placement and forgets to close it exits."""
     r = _python(f"""
-        from impress_flexgen.runtime import Runtime, RuntimeConfig, Placement
+        from impress_flexgen.models.runtime import Runtime, RuntimeConfig, Placement
         rt = Runtime(RuntimeConfig(model="opt-tiny", placement=Placement.parse("disk"),
                                    offload_dir={str(tmp_path)!r}))
         out = rt.generate([[5, 6, 7]], max_new_tokens=3)
@@ -78,11 +80,12 @@ def test_disk_threads_never_hang_exit(tmp_path):
     assert "generated" in r.stdout
 
 
+@pytest.mark.slow
 @no_cuda
 def test_raw_flexgen_disk_threads_would_hang_exit(tmp_path):
     """Without our exit hook FlexGen's non-daemon copy threads keep the process alive."""
     code = f"""
-        from impress_flexgen import compat
+        from impress_flexgen.models import compat
         compat.apply()
         from flexgen.pytorch_backend import TorchDisk
         disk = TorchDisk({str(tmp_path / 'raw')!r})

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from impress_flexgen import compat, quant
-from impress_flexgen.engine import Request, SchedulerConfig, TierSizes, assemble, open_store
-from impress_flexgen.models.base import compressed_new
-from impress_flexgen.quant import Groups
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.engine import Request, SchedulerConfig, assemble, open_store
 from impress_flexgen.engine.sequence import CompressedKV, LayerKV
+from impress_flexgen.models import compat, quant
+from impress_flexgen.models.base import compressed_new
+from impress_flexgen.models.quant import Groups
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids
 
@@ -169,6 +170,7 @@ def _generate(model, new_tokens=5, **cfg):
         return rt.generate([PROMPT], new_tokens, record_logits=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_4bit_weights_in_flexgens_loop_at_every_placement(model, offload_dir):
     ref = _generate(model, offload_dir=str(offload_dir))
@@ -180,6 +182,7 @@ def test_4bit_weights_in_flexgens_loop_at_every_placement(model, offload_dir):
     assert cos > WEIGHT_COS and rel < WEIGHT_REL, (cos, rel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("groups", [Groups(64, 2), Groups(16, 0)])
 def test_4bit_kv_cache_in_flexgens_loop(model, groups, offload_dir):
@@ -214,7 +217,7 @@ def _serve(rt, store_dir, requests, batch=False):
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
-        engine = assemble(rt, policy, store, TierSizes(64 << 10, 256 << 10)).engine
+        engine = assemble(rt, policy, store, TierConfig(64 << 10, 256 << 10)).engine
         if batch:
             return engine.serve_all(requests, SchedulerConfig(max_batch_size=4))
         return [engine.serve(r, query_logits=True) for r in requests]
@@ -292,7 +295,7 @@ def test_a_compressed_decode_context_holds_what_a_plain_one_does(groups):
 
 
 def test_4bit_flags_reach_the_runtime_and_bad_groups_are_one_line(tmp_path, capsys):
-    from impress_flexgen import run
+    from impress_flexgen.entrypoints import run
 
     argv = ["--model", "opt-tiny", "--prompt-ids", ",".join(map(str, PROMPT)),
             "--max-new-tokens", "3", "--offload-dir", str(tmp_path / "off"),
@@ -321,8 +324,8 @@ def test_a_compressed_cache_split_across_devices_is_refused(offload_dir):
 def test_the_format_is_part_of_the_stored_kvs_identity():
     """KV computed over 4-bit weights is another model's: never served to the dtype's."""
     from impress_flexgen.engine import model_shape
-    from impress_flexgen.formats import WeightFormat
-    from impress_flexgen.runtime import resolve_spec
+    from impress_flexgen.models.formats import WeightFormat
+    from impress_flexgen.models.runtime import resolve_spec
 
     cfg = RuntimeConfig(model="opt-tiny")
     spec = resolve_spec(cfg, check_placement=False)

@@ -16,8 +16,8 @@ import torch
 
 from experiments.crash_test import (C, SHAPE, check_node, expected_bits, files_on_disk,
                                     kv_from_bits, orphans, store_config, tensor_bits)
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
-from impress_flexgen.runtime import Runtime, RuntimeConfig
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from impress_flexgen.store import PrefixStore, StoreFull, StoreWriteFailed
 from impress_flexgen.tiers import ChunkCache, ChunkLoad, TierConfig
 from policies import ServingConfig, make_policy
@@ -139,6 +139,7 @@ class StoreLoad:
                 self.errors.append(f"reorderer: {type(exc).__name__}: {exc}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fmt,eviction", [("int4", "score"), ("fp16", "lru")])
 def test_store_serves_exact_kv_under_concurrent_requests(tmp_path, fmt, eviction):
@@ -272,7 +273,7 @@ def test_late_admit_after_a_split_never_serves_old_kv(tmp_path, tier):
 
 MODELS = ("opt-tiny", "llama-tiny")
 ENGINE_C = 16                               # the engine stores' chunk size
-ENGINE_TIERS = TierSizes(gpu_bytes=16 << 10, cpu_bytes=48 << 10)   # small: tiers evict
+ENGINE_TIERS = TierConfig(gpu_bytes=16 << 10, cpu_bytes=48 << 10)   # small: tiers evict
 
 
 @pytest.fixture(scope="module")

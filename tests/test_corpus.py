@@ -6,7 +6,7 @@ import string
 
 import pytest
 
-from impress_flexgen import corpus
+from impress_flexgen.bench import corpus
 from impress_flexgen.errors import UserError
 
 NAMES = corpus.list_texts()

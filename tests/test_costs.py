@@ -6,14 +6,8 @@ import threading
 
 import pytest
 
-from impress_flexgen.costs import (
-    DEFAULT_POINTS,
-    Bandwidth,
-    CostModel,
-    PrefillCurve,
-    calibrate,
-    machine_key,
-)
+from impress_flexgen.planner.costs import (DEFAULT_POINTS, Bandwidth, CostModel, PrefillCurve,
+                                           calibrate, machine_key)
 
 TRUE = PrefillCurve(a=2e-3, b=5e-5, c=1e-8)
 
@@ -199,7 +193,7 @@ def test_calibrate_within_a_budget_leaves_out_the_longest_points():
 # -- the calibration cache as untrusted input -------------------------------------------
 
 def _cached(coef, points=None, key="k"):
-    from impress_flexgen.costs import CACHE_VERSION
+    from impress_flexgen.planner.costs import CACHE_VERSION
 
     doc = {"version": CACHE_VERSION, "key": key, "coef": coef}
     if points is not None:
@@ -220,7 +214,7 @@ def _measured_again(tmp_path, caplog, content: bytes | None = None, setup=None):
         done["curve"] = calibrate(meter, DEFAULT_POINTS, cache, key="k", repeats=1)
 
     t = threading.Thread(target=go, daemon=True)
-    with caplog.at_level("WARNING", logger="impress_flexgen.costs"):
+    with caplog.at_level("WARNING", logger="impress_flexgen.planner.costs"):
         t.start()
         t.join(10)
     assert not t.is_alive(), "reading the calibration cache blocked"
@@ -276,13 +270,13 @@ def test_a_plausible_cache_is_used(tmp_path):
 
 
 def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
-    from impress_flexgen import prefix_plan
+    from impress_flexgen.planner import planner as planning
 
     monkeypatch.delenv("IMPRESS_FLEXGEN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert prefix_plan.cache_dir() == tmp_path / "xdg" / "impress_flexgen"
+    assert planning.cache_dir() == tmp_path / "xdg" / "impress_flexgen"
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "own"))
-    assert prefix_plan.cache_dir() == tmp_path / "own"
+    assert planning.cache_dir() == tmp_path / "own"
 
 
 def test_the_cache_file_is_private(tmp_path):

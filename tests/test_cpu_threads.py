@@ -49,7 +49,7 @@ def test_single_threaded_restores_the_callers_count():
 
 def test_runtime_loads_the_weights_single_threaded(monkeypatch):
     """The main thread that loads the weights starts no CPU team of its own."""
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     seen = []
     build = Runtime._build

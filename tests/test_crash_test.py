@@ -7,6 +7,8 @@ import pytest
 
 from experiments import crash_test
 
+pytestmark = pytest.mark.slow     # every test here runs a model or a harness end to end
+
 NEW_CLASSES = ("power_loss", "torn_write", "io_error", "fsync", "sqlite_full", "sqlite_damage",
                "crash_recovery", "crash_eviction", "crash_quarantine", "tiers")
 

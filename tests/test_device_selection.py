@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Request, RequestStats, StoreSpec, TierSizes, assemble
+from impress_flexgen.engine import Request, RequestStats, StoreSpec, assemble
 from impress_flexgen.engine.family import probe_setup
 from impress_flexgen.engine.layer_io import ReadAhead
 from impress_flexgen.tiers import ChunkCache, TierConfig
@@ -74,7 +74,7 @@ def _serve(rt, root, name: str, cfg: ServingConfig, where: str, cache_of=None,
     _spy(policy, mode, seen)
     with mode or contextlib.nullcontext():
         stack = assemble(rt, policy, StoreSpec(root, chunk_size=16, reorder_interval=0),
-                         TierSizes(), cache=None if cache_of is None else cache_of(rt))
+                         TierConfig(), cache=None if cache_of is None else cache_of(rt))
         try:
             if where != "compute":
                 stack.engine.prefix.select_device = _device(where)
@@ -106,6 +106,7 @@ def _ids(case) -> str:
     return f"{name}-{cfg.granularity}-r{cfg.retention}-{cfg.threshold}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SELECTIVE, ids=_ids)
 @pytest.mark.parametrize("where", [d for d in DEVICES if d != "cpu"])
 def test_selection_runs_on_its_device_and_chooses_as_on_the_host(tiny_runtimes, tmp_path,
@@ -176,6 +177,7 @@ def full_attention(tiny_runtimes, tmp_path_factory):
                   ServingConfig(), "compute")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXACT, ids=_ids)
 @pytest.mark.parametrize("where", OTHER)
 def test_exact_policies_give_full_attentions_tokens_on_every_device(tiny_runtimes, tmp_path,
@@ -194,6 +196,7 @@ def test_exact_policies_give_full_attentions_tokens_on_every_device(tiny_runtime
         assert rec["q"][0] == _device(where)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,gpu_bytes", [("as_h2o_lfu", 1 << 20), ("as_like", 6 << 10)])
 def test_chunks_from_a_gpu_tier_and_from_the_host_meet_on_the_device(tiny_runtimes, tmp_path,
                                                                      name, gpu_bytes):
@@ -357,6 +360,7 @@ def test_the_fake_device_catches_what_a_gpu_would():
 
 
 # -- decode-phase policies: pages in host memory, attended on the device -----------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["quest", "icecache", "page_random", "page_oracle"])
 def test_decode_pages_are_handed_to_the_device_and_chosen_as_on_the_host(name):
     gen = torch.Generator().manual_seed(9)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.texts import PROMPTS
+from impress_flexgen.bench.texts import PROMPTS
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.tiers import TierConfig
 from policies import POLICY_NAMES, ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -26,7 +27,7 @@ def _serve_twice(rt, policy_name, prefix, query, store_dir, new_tokens=5, retent
     policy = make_policy(policy_name, cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
     try:
-        engine = assemble(rt, policy, store, TierSizes(64 << 10, 256 << 10)).engine
+        engine = assemble(rt, policy, store, TierConfig(64 << 10, 256 << 10)).engine
         cold = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         warm = engine.serve(Request(prefix, query, new_tokens, keep_logits=True))
         return cold, warm, store
@@ -164,12 +165,13 @@ def test_decode_over_full_prefix_is_an_option(tiny_runtimes, tmp_path):
     assert error_of_second_step(full) < error_of_second_step(kept)
 
 
+@pytest.mark.slow
 def test_reuse_after_reopen_in_a_new_process(tmp_path):
     script = textwrap.dedent(f"""
         import sys, json
         sys.path.insert(0, {str(ROOT)!r})
         import numpy as np
-        from impress_flexgen.runtime import Runtime, RuntimeConfig
+        from impress_flexgen.models.runtime import Runtime, RuntimeConfig
         from impress_flexgen.engine import Request, assemble, open_store
         from policies import ServingConfig, make_policy
         ids = np.random.default_rng(14).integers(10, 40000, 120).tolist()
@@ -191,6 +193,7 @@ def test_reuse_after_reopen_in_a_new_process(tmp_path):
     assert runs[1]["tokens"] == runs[2]["tokens"]
 
 
+@pytest.mark.slow
 def test_smollm2_retention_one_matches_generation(tmp_path):
     """Real weights, natural text: every policy at r = 1 reproduces plain generation."""
     with Runtime(RuntimeConfig(model="smollm2-135m", offload_dir=str(tmp_path / "off"))) as rt:
@@ -213,7 +216,7 @@ def test_padded_prefix_equals_the_real_prefix_alone(tiny_runtimes, tmp_path, pol
     pol = make_policy(policy, cfg)
     store = open_store(tmp_path / "s", rt, cfg, pol, chunk_size=16)
     try:
-        engine = assemble(rt, pol, store, TierSizes()).engine
+        engine = assemble(rt, pol, store, TierConfig()).engine
         padded = [0] * n_pad + real
         for _ in range(2):      # cold, then warm (pads and text both from the store)
             resp = engine.serve(Request(padded, query, 4, n_pad=n_pad, keep_logits=True))
@@ -257,7 +260,7 @@ def test_prefetching_the_last_selection_changes_reads_not_results(tiny_runtimes,
         assert policy.prefetch_last_selection == prefetch
         store = open_store(tmp_path / str(prefetch), rt, cfg, policy, chunk_size=16)
         try:
-            engine = assemble(rt, policy, store, TierSizes()).engine
+            engine = assemble(rt, policy, store, TierConfig()).engine
             engine.serve(Request(prefix, query, 1))    # computes and stores the prefix
             engine.serve(Request(prefix, query, 1))    # the first selection: no guess yet
             late = []           # K/V disk reads submitted after the policy chose

@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from impress_flexgen.engine import (Request, RequestStats, StoreSpec, TierSizes, assemble,
-                                    open_store)
+from impress_flexgen.engine import Request, RequestStats, StoreSpec, assemble, open_store
 from impress_flexgen.errors import UserError
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 
 
@@ -17,7 +17,7 @@ def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
     prefix = np.random.default_rng(5).integers(10, 40000, 48).tolist()
     cfg = ServingConfig(retention=0.5)
     stack = assemble(rt, make_policy("impress", cfg), StoreSpec(tmp_path / "a", chunk_size=16),
-                     TierSizes(0, 1 << 20))
+                     TierConfig(0, 1 << 20))
     try:
         assert stack.engine.store is stack.store and stack.store is not None
         assert stack.store.config.chunk_size == 16 and stack.store.tiers.cache is not None
@@ -28,7 +28,7 @@ def test_assemble_serves_as_the_stack_built_by_hand(tiny_runtimes, tmp_path):
     policy = make_policy("impress", cfg)
     store = open_store(tmp_path / "b", rt, cfg, policy, chunk_size=16)
     try:
-        engine = assemble(rt, policy, store, TierSizes(0, 1 << 20)).engine
+        engine = assemble(rt, policy, store, TierConfig(0, 1 << 20)).engine
         want = [engine.serve(Request(prefix, [7, 8], 3)) for _ in range(2)]
     finally:
         store.close()
@@ -99,8 +99,8 @@ def test_engines_on_one_runtime_take_turns_through_its_model(tiny_runtimes):
     import threading
 
     rt = tiny_runtimes["opt-tiny"]
-    first = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
-    second = assemble(rt, make_policy("recomp", ServingConfig()), None, TierSizes()).engine
+    first = assemble(rt, make_policy("recomp", ServingConfig()), None, TierConfig()).engine
+    second = assemble(rt, make_policy("recomp", ServingConfig()), None, TierConfig()).engine
     done = threading.Event()
     with second.lock:                                      # a request under way there
         thread = threading.Thread(target=lambda: (first.measure_prefill(8), done.set()))

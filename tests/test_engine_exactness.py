@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -38,8 +39,8 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
     assert full.exact_reads and not impress.exact_reads
     store = open_store(tmp_path / "s", rt, cfg, impress, chunk_size=16)
     try:
-        sparse = assemble(rt, impress, store, TierSizes()).engine
-        dense = assemble(rt, full, store, TierSizes(), cache=store.tiers.cache).engine
+        sparse = assemble(rt, impress, store, TierConfig()).engine
+        dense = assemble(rt, full, store, TierConfig(), cache=store.tiers.cache).engine
         assert sparse.serve(Request(p, query, 1)).stats.exact          # nothing to select
         r2 = sparse.serve(Request(p + q, query, 1))
         assert r2.stats.matched_tokens == 64 and not r2.stats.exact
@@ -55,7 +56,7 @@ def test_a_full_policy_never_reads_kv_computed_over_a_selection(tiny_runtimes, t
     # The same requests on a store that never saw approximate KV.
     clean = open_store(tmp_path / "clean", rt, cfg, full, chunk_size=16)
     try:
-        engine = assemble(rt, full, clean, TierSizes()).engine
+        engine = assemble(rt, full, clean, TierConfig()).engine
         engine.serve(Request(p, query, 1))
         ref = engine.serve(Request(p + q, query, 3, keep_logits=True))
     finally:
@@ -71,7 +72,7 @@ def test_only_exact_kv_is_published_to_the_shared_pool(tiny_runtimes, tmp_path):
     impress = make_policy("impress", cfg)
     store = open_store(tmp_path / "s", rt, cfg, impress, chunk_size=16)
     try:
-        engine = assemble(rt, impress, store, TierSizes()).engine
+        engine = assemble(rt, impress, store, TierConfig()).engine
         engine.shared = engine.prefix.shared = pool = _Pool()
         assert engine.serve(Request(p, query, 1, namespace="tenant-1")).stats.exact
         assert pool.published == [(0, "tenant-1")] and pool.opened == ["tenant-1"]
@@ -89,7 +90,7 @@ def test_namespaces_never_share_stored_prefixes(tiny_runtimes, tmp_path):
     full = make_policy("full", cfg)
     store = open_store(tmp_path / "s", rt, cfg, full, chunk_size=16)
     try:
-        engine = assemble(rt, full, store, TierSizes()).engine
+        engine = assemble(rt, full, store, TierConfig()).engine
         first = engine.serve(Request(p, query, 2, namespace="alice"))
         assert engine.serve(Request(p, query, 2, namespace="alice")).stats.matched_tokens == 64
         other = engine.serve(Request(p, query, 2, namespace="bob"))

@@ -1,8 +1,9 @@
 """Requests at the edges: a one-token prompt (no prefix), streaming across a retry."""
 from __future__ import annotations
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, assemble, open_store
 from impress_flexgen.engine.sequence import Relay
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 
 
@@ -14,7 +15,7 @@ def test_one_token_prompt_equals_plain_generation(tiny_runtimes, tmp_path):
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
         seen = []
-        resp = assemble(rt, policy, store, TierSizes()).engine.serve(
+        resp = assemble(rt, policy, store, TierConfig()).engine.serve(
             Request([], [123], 4, on_token=lambda t: seen.append(t) is None))
     finally:
         store.close()
@@ -46,7 +47,7 @@ def test_a_corrupted_tier_copy_is_never_served(tiny_runtimes, tmp_path):
     policy = make_policy("full", cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16)
     try:
-        engine = assemble(rt, policy, store, TierSizes(0, 1 << 20, verify_hits=True)).engine
+        engine = assemble(rt, policy, store, TierConfig(0, 1 << 20, verify_hits=True)).engine
         engine.serve(Request(prefix, query, 3))
         clean = engine.serve(Request(prefix, query, 3, keep_logits=True))  # disk, now tier
         cache = store.tiers.cache

@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,7 @@ def test_no_job_prints_usage_and_status_2():
     assert r.returncode == 2 and r.stdout.startswith("usage: impress-flexgen")
 
 
+@pytest.mark.slow
 def test_jobs_take_their_modules_flags_and_user_errors():
     r = _run("run", "--model", "no-such-model")
     assert r.returncode == 2

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, model_shape, open_store
-from impress_flexgen.errors import UserError
-from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
 from disk_layout.format import kv_format_of
+from impress_flexgen.engine import Request, assemble, model_shape, open_store
+from impress_flexgen.errors import UserError
 from impress_flexgen.models import default_dtype
+from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -34,7 +35,7 @@ def _engine(rt, path, policy="full", plan="load", kv_format=None):
     pol = make_policy(policy, cfg)
     fmt = {} if kv_format is None else {"kv_format": kv_format}
     store = open_store(path, rt, cfg, pol, chunk_size=16, **fmt) if pol.reuse else None
-    return assemble(rt, pol, store, TierSizes()).engine, store
+    return assemble(rt, pol, store, TierConfig()).engine, store
 
 
 def _request(prefix, query=None):
@@ -66,6 +67,7 @@ def test_stored_and_recomputed_answers_have_identical_logprobs(tiny_runtimes, tm
         fresh_store.close()
 
 
+@pytest.mark.slow
 def test_an_exact_answer_does_not_depend_on_how_its_prefix_was_stored(tiny_runtimes, tmp_path):
     """A prefix stored in two parts (a conversation's turns), recomputed in front of the
     load (plans recompute and both), or never stored (recomp): the same answer."""
@@ -185,10 +187,11 @@ def test_stored_chunks_keep_the_format_and_read_back_bit_exact(tmp_path):
             assert store.inspect().accounting.kv_bytes() == 2 * 32 * 2 * 16 * dtype.itemsize
 
 
+@pytest.mark.slow
 def test_smollm2_stored_and_recomputed_answers_have_identical_logprobs(tmp_path):
     """Real widths, where a product's rounding depends on its row count: a prefix stored
     whole or in two parts, and recomputed, give one answer to the last bit."""
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     with Runtime(RuntimeConfig(model="smollm2-135m", offload_dir=str(tmp_path / "off"))) as rt:
         long = _ids(10, 300)
@@ -208,8 +211,8 @@ def test_smollm2_stored_and_recomputed_answers_have_identical_logprobs(tmp_path)
 def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
     """Rows computed by tiles: the same bits whichever rows were already there, for a
     product at real widths and for attention."""
-    from impress_flexgen.engine.attention import attend
     from impress_flexgen.engine.attention import TILE, attend_lane, plan_rows
+    from impress_flexgen.engine.attention import attend
 
     gen = torch.Generator().manual_seed(0)
     n, kv, heads, d = 300, 3, 9, 64
@@ -243,8 +246,8 @@ def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
 
 def test_the_kv_format_flag_reaches_the_store_and_warns_an_exact_server(tiny_runtimes,
                                                                        tmp_path):
-    from impress_flexgen import serve
     from impress_flexgen.config import ServiceConfig
+    from impress_flexgen.entrypoints.openai import server as serve
     from impress_flexgen.service import Service
 
     def service(*flags):
@@ -266,6 +269,7 @@ def test_the_kv_format_flag_reaches_the_store_and_warns_an_exact_server(tiny_run
     assert refused.value.code == 2
 
 
+@pytest.mark.slow
 def test_the_stored_vs_computed_harness_passes_quick():
     from experiments.abuse_exact import stored_vs_computed_logprobs
 
@@ -276,6 +280,7 @@ def test_the_stored_vs_computed_harness_passes_quick():
     assert result["cases"]["lossy_format"]["matched_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_bench_exact_quick_times_both_ways_and_sizes_every_format(tmp_path):
     from experiments.bench_exact import main
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import prefill_decode
 
 
@@ -44,6 +46,7 @@ def test_bench_compute_thread_runs_both_settings(tmp_path):
     assert got["one_team_over_second_team"]["alone_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_compression_fidelity_compares_every_format_with_fp32(tmp_path):
     """Four configurations side by side on one model: fp32 matches itself exactly, and
     4-bit weights hold fewer bytes and drift from it."""

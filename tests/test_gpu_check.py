@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from experiments import gpu_check
 from experiments.gpu_check_report import markdown
 
@@ -157,6 +159,7 @@ def test_markdown_of_a_run_that_has_not_started_anything():
 
 
 # -- the dry run ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dry_run_starts_everything_from_the_image_and_the_kit(tmp_path):
     """`make gpu-kit` here, then the check in a fresh venv of the image's packages."""
     kit = tmp_path / "kit"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from experiments import gpu_repro
-from impress_flexgen.cli import run_main
+from impress_flexgen.entrypoints.process import run_main
 from policies import LayerContext, Segment, ServingConfig, make_policy
 from policies.base import ProbeKeys
 from policies.replay import (Replay, Trace, load_trace, map_positions, request_entry,
@@ -104,6 +104,7 @@ def test_replay_is_built_from_a_trace_file(tmp_path):
 
 
 # -- the experiment ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_quick_cpu_run_writes_both_modes_and_all_policies(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--quick", "--models", "opt-tiny", "--prefix-tokens", "128", "--query-tokens", "16",
@@ -189,7 +190,7 @@ def test_full_run_without_gpu_exits_2(tmp_path, capsys):
 
 # -- the budget, the pool cap and the placement -------------------------------------------
 def test_a_pool_over_the_cap_serves_fewer_prefixes_of_the_same_length():
-    from impress_flexgen.workload import WorkloadConfig
+    from impress_flexgen.bench.workload import WorkloadConfig
 
     wcfg = WorkloadConfig(n_prefixes=2, prefix_tokens=5120)
     kv30 = 2 * 48 * 7168 * 2                       # OPT-30B: 1.31 MiB of fp16 KV per token

@@ -231,7 +231,7 @@ def test_icecache_eval_extends_positions_of_random_weight_models_only(tmp_path, 
                                "--json", str(path)]) == 0
     got = json.loads(path.read_text())
     assert got["prefix_tokens"] == 2112 and [r["policy"] for r in got["results"]][-1] == "icecache@64"
-    from impress_flexgen.cli import run_main
+    from impress_flexgen.entrypoints.process import run_main
 
     code = run_main("python -m experiments.icecache_eval", icecache_eval.main,
                     ["--model", "smollm2-135m", "--prefix-tokens", "9000", "--steps", "4"])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen import run
-from impress_flexgen.cli import run_main
 from impress_flexgen.engine import model_shape
+from impress_flexgen.entrypoints import run
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import resolve
 from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
@@ -46,6 +46,7 @@ def _serve(tmp_path, requests, *model_args, store_dir=None) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_another_seed_takes_nothing_from_the_store_of_the_first(tmp_path, cache, monkeypatch):
     requests = _requests(tmp_path / "in.jsonl")
     seed0 = _serve(tmp_path, requests, "--model", "llama-tiny", "--seed", "0")
@@ -62,6 +63,7 @@ def test_another_seed_takes_nothing_from_the_store_of_the_first(tmp_path, cache,
     assert len(list((cache / "stores").iterdir())) == 2     # one folder per identity
 
 
+@pytest.mark.slow
 def test_a_given_store_dir_of_another_seed_is_refused_in_one_line(tmp_path, cache, capsys):
     requests = _requests(tmp_path / "in.jsonl")
     stores = tmp_path / "stores"
@@ -86,6 +88,7 @@ def _checkpoint(path, seed: int):
     return path
 
 
+@pytest.mark.slow
 def test_two_checkpoints_of_one_shape_never_share_kv(tmp_path, cache, monkeypatch):
     base = _checkpoint(tmp_path / "base-model", 11)
     tuned = _checkpoint(tmp_path / "fine-tune", 12)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from impress_flexgen import defaults
-from impress_flexgen.engine import Request, assemble
-from impress_flexgen.sampling import Sampler, SamplingParams
-from impress_flexgen.serve import background_server, parse_args, server_options
-from impress_flexgen.serve_guard import ServerOptions
 from impress_flexgen.config import ServiceConfig
+from impress_flexgen.engine import Request, assemble
+from impress_flexgen.entrypoints.openai.guard import ServerOptions
+from impress_flexgen.entrypoints.openai.server import background_server, parse_args, server_options
+from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.service import Service
 from policies import make_policy
 from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
@@ -283,7 +283,7 @@ def test_lm_eval_local_completions_request_shapes(server, runtime):
 
 
 def test_metrics_count_matched_tokens_only_when_loaded(runtime, tmp_path):
-    from impress_flexgen.serving import RunConfig
+    from impress_flexgen.bench.runner import RunConfig
 
     config = ServiceConfig(model=MODEL, store_root=tmp_path,
                            run=RunConfig("full", "full", plan="recompute"))

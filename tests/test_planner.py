@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from impress_flexgen.costs import Bandwidth, CostModel, PrefillCurve
 from impress_flexgen.planner import (BOTH_MARGIN, PLANS, Plan, PrefixCosts, choose,
                                      choose_plan, overlap, split_compute, split_costs)
+from impress_flexgen.planner.costs import Bandwidth, CostModel, PrefillCurve
 
 L = 30
 N, T, Q = 64, 16, 64   # a 1,024-token prefix in 16-token chunks, a 64-token query

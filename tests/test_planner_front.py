@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, assemble, open_store
 from impress_flexgen.planner import Plan
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 
 T, PREFIX, RETENTION = 16, 256, 0.5
@@ -26,7 +27,7 @@ def reordered(tiny_runtimes, tmp_path, monkeypatch):
     policy = make_policy("impress", cfg)
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=T)
     try:
-        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
+        engine = assemble(rt, policy, store, TierConfig(0, 0)).engine
         prefix = _ids(1, PREFIX)
         engine.serve(Request(prefix, _ids(2, 5), 1))                # stores the prefix
         for seed in (3, 4, 5):

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from impress_flexgen import prefix_plan
-from impress_flexgen.costs import CACHE_VERSION, DEFAULT_POINTS, Bandwidth, CostModel, \
-    PrefillCurve, machine_key
 from impress_flexgen.planner import PrefixCosts, choose_plan, overlap, split_compute
+from impress_flexgen.planner import planner as planning
+from impress_flexgen.planner.costs import (CACHE_VERSION, DEFAULT_POINTS, Bandwidth, CostModel,
+                                           PrefillCurve, machine_key)
 
 L, N, T, Q = 8, 64, 16, 64
 # The machine as it is: a 1,088-token prefill ~0.46 s, the query over the prefix ~0.03 s.
@@ -21,7 +21,7 @@ TRUE_MODEL = CostModel(TRUE, Bandwidth({"disk": 1e9}), L)
 
 
 class FakeEngine:
-    """What PrefixPlanner reads of an engine; its prefills take TRUE's time."""
+    """What Planner.for_engine reads of an engine; its prefills take TRUE's time."""
 
     def __init__(self):
         self.max_positions = 8192
@@ -50,7 +50,7 @@ def _cache_file(engine, tmp_path, curve: PrefillCurve):
     path.parent.mkdir(parents=True)
     points = [[n, ctx, curve.predict(n, ctx)] for n, ctx in DEFAULT_POINTS]
     path.write_text(json.dumps({"version": CACHE_VERSION,
-                                "key": key + f";budget={prefix_plan.CALIBRATION_BUDGET_S}",
+                                "key": key + f";budget={planning.CALIBRATION_BUDGET_S}",
                                 "points": points, "coef": curve.coef}))
     return path
 
@@ -75,7 +75,7 @@ def test_a_curve_10x_wrong_is_measured_again(tmp_path, monkeypatch, wrong, per_c
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
     engine = FakeEngine()
     cache = _cache_file(engine, tmp_path, TRUE.scaled(wrong))
-    planner = prefix_plan.PrefixPlanner(engine)
+    planner = planning.Planner.for_engine(engine)
     prefix = PrefixCosts.uniform(N, T, Q, [per_chunk_s] * N)
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
     assert planner.cost().prefill == TRUE.scaled(wrong)     # the cache was trusted
@@ -98,17 +98,17 @@ def test_a_curve_10x_wrong_is_measured_again(tmp_path, monkeypatch, wrong, per_c
 def test_a_close_plan_not_chosen_for_a_while_is_explored(tmp_path, monkeypatch):
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
     engine = FakeEngine()
-    planner = prefix_plan.PrefixPlanner(engine)
+    planner = planning.Planner.for_engine(engine)
     planner.cost()
     # One chunk: no interior split; load predicted a little dearer than recompute.
     recompute = TRUE.predict(T + Q)
     prefix = PrefixCosts.uniform(1, T, Q, [recompute * 1.2])
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
     reasons = [(p.mode, p.reason) for p, _ in
-               (_serve(planner, prefix) for _ in range(2 * prefix_plan.EXPLORE_AFTER + 2))]
+               (_serve(planner, prefix) for _ in range(2 * planning.EXPLORE_AFTER + 2))]
     explored = [i for i, r in enumerate(reasons) if r[1] == "explore"]
     assert [reasons[i] for i in explored] == [("load", "explore")] * 2
-    assert explored[0] == prefix_plan.EXPLORE_AFTER - 1   # after EXPLORE_AFTER without it
+    assert explored[0] == planning.EXPLORE_AFTER - 1   # after EXPLORE_AFTER without it
     assert all(r == ("recompute", "predicted") for i, r in enumerate(reasons)
                if i not in explored)
     assert planner.snapshot()["explored"] == 2
@@ -116,16 +116,16 @@ def test_a_close_plan_not_chosen_for_a_while_is_explored(tmp_path, monkeypatch):
 
 def test_a_plan_far_dearer_is_never_explored(tmp_path, monkeypatch):
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
-    planner = prefix_plan.PrefixPlanner(FakeEngine())
+    planner = planning.Planner.for_engine(FakeEngine())
     prefix = PrefixCosts.uniform(1, T, Q, [TRUE.predict(T + Q) * 10])
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
-    plans = [_serve(planner, prefix)[0] for _ in range(3 * prefix_plan.EXPLORE_AFTER)]
+    plans = [_serve(planner, prefix)[0] for _ in range(3 * planning.EXPLORE_AFTER)]
     assert {(p.mode, p.reason) for p in plans} == {("recompute", "predicted")}
 
 
 def test_a_forced_plan_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
-    planner = prefix_plan.PrefixPlanner(FakeEngine())
+    planner = planning.Planner.for_engine(FakeEngine())
     prefix = PrefixCosts.uniform(N, T, Q, [0.001] * N)
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
     plan = planner.choose("both", None, N * T, Q)
@@ -137,7 +137,7 @@ def test_millisecond_requests_never_trigger_a_recalibration(tmp_path, monkeypatc
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path))
     engine = FakeEngine()
     engine.measure_prefill = lambda n, ctx=0: TRUE.predict(n, ctx) / 10   # ~1 ms prefills
-    planner = prefix_plan.PrefixPlanner(engine)
+    planner = planning.Planner.for_engine(engine)
     prefix = PrefixCosts.uniform(1, T, 4, [1e-5])
     monkeypatch.setattr(planner, "prefix_costs", lambda *a: prefix)
     for _ in range(10):
@@ -168,7 +168,7 @@ def test_closing_stops_a_recalibration_under_way(tmp_path, monkeypatch):
         return TRUE.predict(n, ctx)
 
     engine.measure_prefill = slow
-    planner = prefix_plan.PrefixPlanner(engine)
+    planner = planning.Planner.for_engine(engine)
     planner.budget_s = None                    # every point: far longer than the test waits
     planner.recalibrate()
     assert measuring.wait(5)

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
 
@@ -29,7 +30,7 @@ def _engine(rt, store_dir, policy_name="full", retention=1.0, plan="load"):
     cfg = ServingConfig(retention=retention, plan=plan)
     policy = make_policy(policy_name, cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    return assemble(rt, policy, store, TierSizes(0, 0)).engine, store
+    return assemble(rt, policy, store, TierConfig(0, 0)).engine, store
 
 
 @pytest.mark.parametrize("model", ["opt-tiny", "llama-tiny"])
@@ -101,7 +102,7 @@ def test_auto_plan_predicts_and_avoids_a_slow_disk(tiny_runtimes, tmp_path, monk
     # recomputing them takes milliseconds.
     store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16, read_limit_mb_s=0.02)
     try:
-        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
+        engine = assemble(rt, policy, store, TierConfig(0, 0)).engine
         assert engine.planner is not None
         engine.planner.cost()
         assert list((tmp_path / "cache" / "costs").glob("*.json"))   # calibration cached

@@ -58,6 +58,7 @@ def test_a_slot_group_of_chunks_is_read_with_one_mget_per_layer():
     assert chunk_hashes(NS, list(range(SLOT_GROUP_TOKENS + 8)))[:group + 2] == hs[:group + 2]
 
 
+@pytest.mark.slow
 def test_chunk_keys_spread_over_the_masters_and_read_back_bit_exact(cluster):
     cluster.flush()
     ns = dataclasses.replace(NS, chunk_size=64)
@@ -81,6 +82,7 @@ def test_chunk_keys_spread_over_the_masters_and_read_back_bit_exact(cluster):
         tier.close()
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_prefix_through_the_cluster(cluster, tmp_path):
     cluster.flush()
     a = _serve_in_process(tmp_path, "a", cluster.url)
@@ -92,6 +94,7 @@ def test_two_processes_share_a_prefix_through_the_cluster(cluster, tmp_path):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+@pytest.mark.slow
 def test_a_master_killed_mid_run_costs_misses_never_wrong_kv(tiny_runtimes, tmp_path):
     rt = tiny_runtimes["llama-tiny"]
     prompts = [(np.random.default_rng(500 + i).integers(10, 40000, 96).tolist(),

@@ -12,7 +12,7 @@ import redis
 import torch
 
 from impress_flexgen.errors import UserError
-from impress_flexgen.store.shared import shared_pool
+from impress_flexgen.tiers.pool import shared_pool
 from impress_flexgen.tiers.remote import (
     ORPHAN_TTL_S,
     RedisTier,

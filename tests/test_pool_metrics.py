@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from impress_flexgen import serve
-from impress_flexgen.serve import background_server
+from impress_flexgen.entrypoints.openai import server as serve
+from impress_flexgen.entrypoints.openai.server import background_server
 from impress_flexgen.service import Service, ServiceConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
 from tests.redis_server import RedisServer, require_redis_server
@@ -37,6 +37,7 @@ def test_bad_pool_flags_are_usage_errors(flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_pool_events_in_metrics_and_flags_reach_the_pool(runtime, tmp_path, pool):
     redis.Redis.from_url(pool.url).flushdb()
     swapped, evicted = _ids(21, 96), _ids(22, 96)

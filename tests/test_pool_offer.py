@@ -10,7 +10,7 @@ import redis
 import torch
 
 from impress_flexgen.engine import Request
-from impress_flexgen.radix import PrefixMatch
+from impress_flexgen.store.radix import PrefixMatch
 from impress_flexgen.tiers import pool_offer
 from impress_flexgen.tiers.pool import shared_pool
 from impress_flexgen.tiers.remote import chunk_hashes

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from impress_flexgen.engine import Request, RequestStats, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, RequestStats, assemble, open_store
 from impress_flexgen.planner import split_compute
-from impress_flexgen.prefix_plan import _Learned
+from impress_flexgen.planner.planner import _Learned
+from impress_flexgen.tiers import TierConfig
 from impress_flexgen.tiers.chain import DISK
 from policies import ServingConfig, make_policy
 from tests.helpers.ids import prompt_ids as _ids
@@ -28,7 +29,7 @@ def planned(tiny_runtimes, tmp_path, monkeypatch):
         store = open_store(tmp_path / f"s{len(stores)}", rt, cfg, policy, chunk_size=T,
                            read_limit_mb_s=read_limit)
         stores.append(store)
-        engine = assemble(rt, policy, store, TierSizes(0, 0)).engine
+        engine = assemble(rt, policy, store, TierConfig(0, 0)).engine
         prefix = _ids(1, 128)
         engine.serve(Request(prefix, _ids(2, 5), 1))            # stores 128 tokens
         return engine, store, prefix
@@ -103,7 +104,7 @@ def test_a_read_limit_caps_the_learned_bandwidth(planned):
 def test_observe_learns_speed_and_correction_without_steering_the_choice(planned,
                                                                            monkeypatch):
     # The tiny model's prefills are shorter than what the planner trusts as a speed sample.
-    monkeypatch.setattr("impress_flexgen.prefix_plan._MIN_COMPUTE_S", 0.0)
+    monkeypatch.setattr("impress_flexgen.planner.planner._MIN_COMPUTE_S", 0.0)
     engine, store, prefix = planned("full")
     planner = engine.planner
     match = store.match_prefix(prefix)

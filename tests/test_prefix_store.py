@@ -114,6 +114,7 @@ def test_radix_split_and_sharing(tmp_path):
         assert {f.name for f in (tmp_path / "s" / "data").iterdir()} == referenced
 
 
+@pytest.mark.slow
 def test_store_survives_restart_in_a_new_process(tmp_path):
     tokens = np.arange(5 * C)
     kv = make_kv(len(tokens), seed=5)

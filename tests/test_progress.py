@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from impress_flexgen import progress, runtime
-from impress_flexgen.costs import DEFAULT_POINTS, PrefillCurve, calibrate
+from impress_flexgen import progress
+from impress_flexgen.models import runtime
+from impress_flexgen.planner.costs import DEFAULT_POINTS, PrefillCurve, calibrate
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_a_slow_weight_preparation_and_tokenizer_speak(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "preparing the weights of llama-tiny" in err and "done in" in err
 
-    import impress_flexgen.tokenizer as tok
+    import impress_flexgen.models.tokenizer as tok
 
     monkeypatch.setattr(tok, "load_tokenizer", lambda spec: time.sleep(0.3) or "tok")
     assert runtime.load_tokenizer(spec) == "tok"

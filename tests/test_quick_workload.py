@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from impress_flexgen.costs import PrefillCurve
+from impress_flexgen.planner.costs import PrefillCurve
 from impress_flexgen.entrypoints.quick import DEFAULT, RUNGS, TARGET_S, choose, predicted_s
-from impress_flexgen.footprint import footprint
-from impress_flexgen.formats import WeightFormat
+from impress_flexgen.models.footprint import footprint
+from impress_flexgen.models.formats import WeightFormat
 from impress_flexgen.planner.estimate import Rates, estimate_curve
-from impress_flexgen.quant import Groups
-from impress_flexgen.runtime import RuntimeConfig, resolve_spec
+from impress_flexgen.models.quant import Groups
+from impress_flexgen.models.runtime import RuntimeConfig, resolve_spec
 
 # A CPU ten times slower than the 2-core development machine (which measured about
 # 1.4e11 flop/s, 4.8e10 B/s streamed, 2e9 4-bit values/s unpacked).
@@ -91,7 +91,7 @@ def test_estimate_reads_disk_unpacks_4bit_and_multiplies_every_weight():
 def test_quick_prefers_the_curve_an_earlier_start_measured(tmp_path, monkeypatch, capsys):
     import torch
 
-    from impress_flexgen.costs import machine_key
+    from impress_flexgen.planner.costs import machine_key
     from impress_flexgen.entrypoints.run import parse_args
     from impress_flexgen.entrypoints.workload import quick_for
     from impress_flexgen.planner import planner as planner_mod

@@ -11,6 +11,7 @@ from experiments import peers, reproduce
 PNG = b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_reproduce_quick_writes_every_part(tmp_path):
     out = tmp_path / "results"
     parts = "serving,ablation,sensitivity,scaling,padded,overheads"
@@ -57,6 +58,7 @@ def test_reproduce_quick_writes_every_part(tmp_path):
     assert 0 < imp["probe_space_fraction"] < 1 and imp["metadata_space_fraction"] > 0
 
 
+@pytest.mark.slow
 def test_peers_quick(tmp_path):
     path = tmp_path / "peers.json"
     assert peers.main(["--quick", "--model", "llama-tiny", "--sparsity-model", "opt-tiny",

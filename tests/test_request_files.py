@@ -7,9 +7,10 @@ import tracemalloc
 
 import pytest
 
-from impress_flexgen import defaults, run
-from impress_flexgen.cli import run_main
-from impress_flexgen.request_files import RequestFile
+from impress_flexgen import defaults
+from impress_flexgen.entrypoints import run
+from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.entrypoints.request_files import RequestFile
 
 MODEL = "llama-tiny"
 BOOK = ("It is a truth universally acknowledged, that a single man in possession of a good "
@@ -31,6 +32,7 @@ def _run(tmp_path, requests, *extra) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_request_file_is_served_in_order_through_the_store(tmp_path, capsys):
     requests = tmp_path / "in.jsonl"
     _write(requests, [
@@ -121,16 +123,16 @@ def test_request_file_flags_are_checked(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def frontend():
-    from impress_flexgen.runtime import RuntimeConfig, resolve_spec
     from impress_flexgen.frontend import Frontend
-    from impress_flexgen.tokenizer import load_tokenizer
+    from impress_flexgen.models.runtime import RuntimeConfig, resolve_spec
+    from impress_flexgen.models.tokenizer import load_tokenizer
 
     spec = resolve_spec(RuntimeConfig(model=MODEL))
     return Frontend(spec, load_tokenizer(spec))
 
 
 def test_request_files_use_the_defaults_of_every_entry_point(tmp_path, frontend):
-    from impress_flexgen.request_files import read_requests
+    from impress_flexgen.entrypoints.request_files import read_requests
 
     assert (defaults.MAX_TOKENS, defaults.TEMPERATURE, defaults.TOP_P) == (256, 1.0, 1.0)
     requests = tmp_path / "in.jsonl"
@@ -143,6 +145,7 @@ def test_request_files_use_the_defaults_of_every_entry_point(tmp_path, frontend)
     assert greedy.sampling.temperature == 0 and greedy.max_tokens == 3
 
 
+@pytest.mark.slow
 def test_a_request_file_is_read_as_a_stream(tmp_path, frontend):
     """Memory does not grow with the file: each Job is built when it is reached."""
     def peak(n: int) -> int:
@@ -184,6 +187,7 @@ def test_requests_are_submitted_ahead_and_written_in_order(tmp_path, monkeypatch
     assert 1 < max(in_flight) <= 16    # the service's queue bounds the window
 
 
+@pytest.mark.slow
 def test_openai_batch_lines_are_served_as_vllm_run_batch_does(tmp_path):
     def line(cid, body, url="/v1/completions", method="POST"):
         return {"custom_id": cid, "method": method, "url": url, "body": body}

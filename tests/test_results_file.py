@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from impress_flexgen import request_files, results_file, run
-from impress_flexgen.cli import run_main
+from impress_flexgen.entrypoints import request_files, results_file
+from impress_flexgen.entrypoints import run
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 
 MODEL = "llama-tiny"
@@ -136,6 +137,7 @@ def test_a_full_disk_is_one_line_and_the_earlier_output_stays(tmp_path, capsys, 
     assert not _leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_read_error_is_one_line(tmp_path, capsys, monkeypatch):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 3)
@@ -176,6 +178,7 @@ def test_a_read_error_is_one_line(tmp_path, capsys, monkeypatch):
     assert rc == 2 and len(err) == 1 and "is not a regular file" in err[0], err
 
 
+@pytest.mark.slow
 def test_resume_serves_only_the_requests_not_in_the_output(tmp_path, capsys):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 2)
@@ -197,6 +200,7 @@ def test_resume_serves_only_the_requests_not_in_the_output(tmp_path, capsys):
     assert rc == 0 and "nothing to serve" in printed and out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_request_file_with_a_repeated_id(tmp_path, capsys):
     """A repeated id would make its second request look answered by the first's result."""
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -215,6 +219,7 @@ def _lines(out):
     return out.read_text().splitlines(keepends=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, served", [
     # an id damaged into one that is not in the request file: r1 is served again
     (lambda ls: [ls[0], ls[1].replace('"id": "r1"', '"id": "r7"', 1), ls[2]], ["r1"]),
@@ -238,6 +243,7 @@ def test_resume_drops_damaged_output_lines_and_serves_them_again(tmp_path, capsy
     assert all(good[r] == x for r, x in zip(kept, _lines(out)))   # copied as they were
 
 
+@pytest.mark.slow
 def test_resume_drops_a_stray_line_with_nothing_to_serve(tmp_path, capsys):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 2)
@@ -252,6 +258,7 @@ def test_resume_drops_a_stray_line_with_nothing_to_serve(tmp_path, capsys):
     assert out.read_text() == clean
 
 
+@pytest.mark.slow
 def test_a_resumed_run_that_stops_keeps_what_it_finished(tmp_path, capsys, monkeypatch):
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _requests(requests, 4)
@@ -277,6 +284,7 @@ def test_resume_refuses_an_output_that_is_not_results(tmp_path, capsys):
     assert "--resume goes with --output" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_batch_lines_resume_by_custom_id(tmp_path, capsys):
     def line(cid):
         return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",

@@ -16,10 +16,10 @@ import torch
 from experiments.abuse_scoring import measure_scoring_stall
 from impress_flexgen.config import ServiceConfig
 from impress_flexgen.engine import Request, SchedulerConfig, assemble
+from impress_flexgen.entrypoints.openai.server import background_server
 from impress_flexgen.errors import ServiceError
 from impress_flexgen.frontend import MAX_SCORED_ENTRIES, Job
 from impress_flexgen.sampling import SamplingParams
-from impress_flexgen.serve import background_server
 from impress_flexgen.service import Service
 from policies import make_policy
 from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
@@ -216,6 +216,7 @@ def test_a_scored_answer_too_large_is_a_clear_400(server, monkeypatch):
     assert httpx2.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_long_scored_prompt_with_n_4_stalls_no_one(runtime, tmp_path):
     """A 2,000-token prompt scored with n 4 and, meanwhile, 1-token requests one after
     another: each takes at most twice its time alone (both measured here)."""

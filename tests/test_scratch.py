@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from impress_flexgen import scratch, weights
+from impress_flexgen.models import weights
+from impress_flexgen.store import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys, time
 from pathlib import Path
-from impress_flexgen import scratch
+from impress_flexgen.store import scratch
 path = scratch.make(Path(sys.argv[1]), "flexgen")
 (path / "weights.bin").write_bytes(b"x" * 4096)
 print(path, flush=True)
@@ -137,7 +138,7 @@ def test_the_scratch_context_removes_its_directory(tmp_path):
 
 
 def test_runtime_creation_sweeps_its_offload_root(tmp_path):
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     stale = tmp_path / _name("flexgen", _dead_pid(), 1)
     stale.mkdir()
@@ -149,16 +150,16 @@ def test_runtime_creation_sweeps_its_offload_root(tmp_path):
 
 
 def test_a_temporary_store_sweeps_its_root_and_is_removed(tmp_path, tiny_runtimes):
-    from impress_flexgen.engine import TierSizes
-    from impress_flexgen.serving import RunConfig, prepared
-    from impress_flexgen.workload import Workload, WorkloadConfig
+    from impress_flexgen.bench.runner import RunConfig, prepared
+    from impress_flexgen.bench.workload import Workload, WorkloadConfig
+    from impress_flexgen.tiers import TierConfig
 
     stale = tmp_path / _name("store", _dead_pid(), 1)
     stale.mkdir()
     prefix = list(range(100, 164))
     wl = Workload(WorkloadConfig(n_prefixes=1, prefix_tokens=64), [prefix], [], [], ["x"])
     seen = []
-    with prepared(tiny_runtimes["opt-tiny"], wl, RunConfig("impress", "impress"), TierSizes(),
+    with prepared(tiny_runtimes["opt-tiny"], wl, RunConfig("impress", "impress"), TierConfig(),
                   store_root=tmp_path) as ready:
         seen = list(tmp_path.iterdir())
         assert ready.store is not None
@@ -180,9 +181,10 @@ def test_a_conversion_sweeps_its_root(tmp_path):
     assert [p.name for p in cache.iterdir()] == [done.name]
 
 
+@pytest.mark.slow
 def test_a_sigkilled_run_leaves_nothing_after_the_next_start(tmp_path):
     """The whole path: a real run killed mid-generation, then a new runtime on that root."""
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     off = tmp_path / "off"
     child = subprocess.Popen(

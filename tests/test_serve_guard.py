@@ -13,9 +13,9 @@ import time
 import httpx2
 import pytest
 
-from impress_flexgen.serve import background_server, parse_args, server_options
-from impress_flexgen.serve_guard import ServerOptions, namespace
 from impress_flexgen.config import ServiceConfig
+from impress_flexgen.entrypoints.openai.guard import ServerOptions, namespace
+from impress_flexgen.entrypoints.openai.server import background_server, parse_args, server_options
 from impress_flexgen.service import Service
 from tests.helpers.fixtures import llama_tiny_runtime as runtime  # noqa: F401 - a fixture
 
@@ -30,6 +30,7 @@ def service(runtime, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_abuse_harness_quick_passes_every_class(tmp_path):
     from experiments import abuse_test
 
@@ -43,6 +44,7 @@ def test_abuse_harness_quick_passes_every_class(tmp_path):
                if "missing" not in v)
 
 
+@pytest.mark.slow
 def test_keys_and_salts_reach_the_engine_as_namespaces(service):
     seen = []
     start = service.engine.add_request   # the engine's entry: every request is added there
@@ -73,6 +75,7 @@ def test_keys_and_salts_reach_the_engine_as_namespaces(service):
     assert len(set(seen)) == 4 and all(len(n) == 32 for n in seen[:4])
 
 
+@pytest.mark.slow
 def test_stats_block_only_with_the_flag_and_cached_tokens_with_a_flag_or_a_salt(service):
     prompt = "It is a truth universally acknowledged " * 6
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -98,6 +101,7 @@ def test_stats_block_only_with_the_flag_and_cached_tokens_with_a_flag_or_a_salt(
     assert stats["cached_tokens"] == stats["matched_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_a_right_and_a_wrong_guess_of_a_stored_prompt_get_the_same_usage(service):
     from experiments.abuse_test import Abuse
 
@@ -171,7 +175,7 @@ def test_connections_past_the_cap_do_not_lock_out_a_normal_request(service):
 
 
 def test_accept_errors_are_logged_at_most_once_a_second():
-    from impress_flexgen.entrypoints.http_server import Acceptor, ThrottledLog
+    from impress_flexgen.entrypoints.openai.http import Acceptor, ThrottledLog
 
     class OutOfDescriptors:
         """A listening socket whose accept() fails as a process out of descriptors does."""
@@ -238,6 +242,7 @@ def test_serve_flags_for_the_guard():
             parse_args(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_more_half_sent_connections_than_descriptors_leave_the_server_answering():
     """The server program under a 256-descriptor limit and 300 half-sent connections: a

@@ -19,17 +19,18 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from impress_flexgen import run, serve
-from impress_flexgen.cli import run_main
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serve import background_server
 from impress_flexgen.config import RunConfig, ServiceConfig, StoreOptions
+from impress_flexgen.entrypoints import run
+from impress_flexgen.entrypoints.openai import server as serve
+from impress_flexgen.entrypoints.openai.server import background_server
+from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.frontend import Frontend, Job
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from impress_flexgen.service import Service
 from impress_flexgen.store.config import CHUNK_SIZE
-from impress_flexgen.tiers.remote_url import redact_url
 from impress_flexgen.tiers import REMOTE, TierConfig
 from impress_flexgen.tiers.remote import chunk_hashes, layer_key
+from impress_flexgen.tiers.remote_url import redact_url
 from tests.helpers.ids import prompt_ids as _ids
 from tests.redis_server import RedisServer, free_port, require_redis_server
 
@@ -92,6 +93,7 @@ def test_bad_values_are_one_line_and_exit_2(prog, flags, message, capsys):
     assert "Traceback" not in err[0]
 
 
+@pytest.mark.slow
 def test_a_bad_url_from_the_command_line_is_refused_before_anything_loads(tmp_path):
     r = subprocess.run([sys.executable, "-m", "impress_flexgen.serve", "--remote-tier",
                         "redis://nowhere:0x1/0", "--store-dir", str(tmp_path / "s")],
@@ -163,9 +165,6 @@ def test_run_and_serve_build_the_same_config_from_the_same_flags():
 def test_one_tier_record_and_every_part_typed():
     import typing
 
-    from impress_flexgen.engine import TierSizes
-
-    assert TierSizes is TierConfig           # the engine's old name for the same record
     hints = typing.get_type_hints(ServiceConfig)
     assert (hints["runtime"], hints["run"], hints["tiers"], hints["store"]) == \
         (RuntimeConfig, RunConfig, TierConfig, StoreOptions)
@@ -208,7 +207,7 @@ def test_a_password_in_the_pool_url_is_never_printed():
 
 
 def test_a_url_that_cannot_be_read_is_refused_without_its_password(capsys):
-    from impress_flexgen import serve
+    from impress_flexgen.entrypoints.openai import server as serve
 
     with pytest.raises(SystemExit) as exit_:
         serve.parse_args(["--remote-tier", "redis://:s3cret@[::1/0"])
@@ -217,6 +216,7 @@ def test_a_url_that_cannot_be_read_is_refused_without_its_password(capsys):
 
 
 # -- reaching the engine ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_run_plan_recompute_reaches_the_engine(tmp_path, capsys):
     requests = tmp_path / "in.jsonl"
     prefix = _ids(1, 80)
@@ -239,6 +239,7 @@ def test_run_plan_recompute_reaches_the_engine(tmp_path, capsys):
     assert sum(second["bytes_read"].values()) == 0 and second["computed_tokens"] == 80 + 5
 
 
+@pytest.mark.slow
 def test_the_workload_summary_counts_plans(tmp_path, capsys):
     out = tmp_path / "w.json"
     assert run.main(["--model", MODEL, "--prefixes", "1", "--prefix-tokens", "96",
@@ -283,6 +284,7 @@ def test_a_pool_on_this_machine_needs_no_secret(url, monkeypatch):
     assert ServiceConfig.from_args(args).tiers.remote_url == url
 
 
+@pytest.mark.slow
 def test_a_plan_that_needs_the_cost_model_is_calibrated_at_start(runtime, tmp_path):
     args = serve.parse_args(["--model", MODEL, "--plan", "both", "--disk-read-limit", "40",
                              "--store-dir", str(tmp_path / "stores")])
@@ -309,6 +311,7 @@ def _service(runtime, root, url, plan="load", secret="pool-secret"):
     return Service(ServiceConfig.from_args(args), runtime=runtime)
 
 
+@pytest.mark.slow
 def test_a_pool_without_a_secret_is_a_warning_at_start(runtime, tmp_path, pool, monkeypatch):
     monkeypatch.delenv("IMPRESS_REMOTE_SECRET", raising=False)
     with _service(runtime, tmp_path / "s", pool.url, secret=None) as service:

@@ -3,6 +3,7 @@ served bit-exact to another whose local store is empty; a pool that dies, or han
 damaged value, never fails a request nor changes its tokens."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
@@ -14,7 +15,8 @@ import numpy as np
 import redis
 import torch
 
-from impress_flexgen.engine import Request, TierSizes, assemble, open_store
+from impress_flexgen.engine import Request, assemble, open_store
+from impress_flexgen.tiers import TierConfig
 from impress_flexgen.tiers.remote import chunk_hashes, encode_value, layer_key, marker_key
 from policies import ServingConfig, make_policy
 from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
@@ -28,8 +30,9 @@ QUERY = np.random.default_rng(12).integers(10, 40000, 6).tolist()
 # then dump its tokens, stats and the KV its local store now holds.
 ROLE = textwrap.dedent("""
     import json, sys, torch
-    from impress_flexgen.engine import Request, TierSizes, assemble, open_store
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.engine import Request, assemble, open_store
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.tiers import TierConfig
     from policies import ServingConfig, make_policy
     store_dir, url, out, off = sys.argv[1:5]
     prefix, query = json.loads(sys.argv[5]), json.loads(sys.argv[6])
@@ -37,7 +40,7 @@ ROLE = textwrap.dedent("""
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url)).engine
+    engine = assemble(rt, policy, store, TierConfig(0, 0, remote_url=url)).engine
     resp = engine.serve(Request(prefix, query, 4))
     engine.shared.tier.flush(10)
     match = store.match_prefix(prefix)
@@ -61,6 +64,7 @@ def _serve_in_process(tmp_path, name, url):
     return torch.load(out)
 
 
+@pytest.mark.slow
 def test_second_process_serves_the_prefix_from_the_pool_bit_exact(server, tmp_path):
     redis.Redis.from_url(server.url).flushdb()
     a = _serve_in_process(tmp_path, "a", server.url)
@@ -81,7 +85,7 @@ def _engine(rt, store_dir, url, secret=None, budget=True):
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("full", cfg)
     store = open_store(store_dir, rt, cfg, policy, chunk_size=16)
-    engine = assemble(rt, policy, store, TierSizes(0, 0, remote_url=url, remote_secret=secret)).engine
+    engine = assemble(rt, policy, store, TierConfig(0, 0, remote_url=url, remote_secret=secret)).engine
     if not budget:   # the pool always worth reading: these tests are about what it holds
         engine.shared.recompute_s = lambda n, ctx: 1e9
     return engine, store
@@ -236,6 +240,7 @@ def test_forged_value_without_the_secret_is_refused(tiny_runtimes, tmp_path, ser
     assert m["corrupt_values"] >= 1
 
 
+@pytest.mark.slow
 def test_a_pool_without_a_secret_is_used_but_never_becomes_local_state(tiny_runtimes,
                                                                        tmp_path, server):
     """Without a secret, anyone able to write to the pool can hand out KV with a valid CRC
@@ -287,6 +292,7 @@ def test_evicted_layer_is_not_read_and_is_written_again(tiny_runtimes, tmp_path,
     assert resp.stats.shared_tokens == 2 * 16
 
 
+@pytest.mark.slow
 def test_slow_pool_is_skipped_by_the_budget(tiny_runtimes, tmp_path, server):
     rt = tiny_runtimes["llama-tiny"]
     redis.Redis.from_url(server.url).flushdb()

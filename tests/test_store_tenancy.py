@@ -175,6 +175,7 @@ def test_a_full_disk_evicts_unlocked_leaves_and_stores_the_new_prefix(tmp_path, 
         assert sum(matched(store, t) > 0 for t in olds) < 3
 
 
+@pytest.mark.slow
 def test_a_small_disk_keeps_metadata_room_and_stores_every_prefix(tmp_path):
     """No capacity set, on a file system of 10.5 MiB that every file of the store counts
     against (the metadata database and its log too, which SQLite writes itself): each new

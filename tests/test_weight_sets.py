@@ -7,8 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from impress_flexgen import progress, weight_sets
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen import progress
+from impress_flexgen.models import weight_sets
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 PROMPT = [101, 2045, 318, 257, 1332, 286]
 
@@ -85,7 +86,7 @@ def test_disk_placed_weights_are_read_where_they_lie(compress, cache, offload_di
 
 
 def test_the_same_weights_drawn_in_place_and_made_once(cache, offload_dir, monkeypatch):
-    from impress_flexgen import placement
+    from impress_flexgen.models import placement
 
     def weights(rt):
         return [t.data.clone() for home in rt.model.weight_home for t in home.val]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from impress_flexgen import weights
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import _unpermute_gguf_qk, resolve
-from impress_flexgen.runtime import Placement, Runtime, RuntimeConfig
+from impress_flexgen.models import weights
+from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 
 def _first_matrix(rt):
@@ -239,8 +239,9 @@ def test_an_edited_checkpoint_with_its_mtime_put_back_is_converted_again(tmp_pat
     assert [p.name for p in cache.iterdir()] == [again.name]    # replaced, not piled up
 
 
+@pytest.mark.slow
 def test_a_damaged_cached_tokenizer_is_rebuilt(tmp_path, monkeypatch):
-    from impress_flexgen.tokenizer import load_tokenizer
+    from impress_flexgen.models.tokenizer import load_tokenizer
 
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))
     spec = resolve("llama-tiny")

@@ -1,7 +1,7 @@
 """python -m experiments.crash_test (and its writer subprocess)."""
 import sys
 
-from impress_flexgen.cli import run_main
+from impress_flexgen.entrypoints.process import run_main
 
 from .runner import PROG, main
 

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from impress_flexgen.cli import ArgumentParser, finite_float, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, write_json
 from impress_flexgen.errors import UserError
 
 from . import faults  # noqa: F401 - registers every fault class

@@ -1,6 +1,6 @@
 import sys
 
-from impress_flexgen.cli import run_main
+from impress_flexgen.entrypoints.process import run_main
 
 from .main import main
 

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from disk_layout.io import ReadLimit
-from impress_flexgen.engine import Engine, Request, TierSizes, assemble
-from impress_flexgen.serving import RunConfig, kl_divergence, kv_bytes_per_token, prepared
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.bench.runner import RunConfig, kl_divergence, kv_bytes_per_token, prepared
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.engine import Engine, Request, assemble
+from impress_flexgen.tiers import TierConfig
 from policies import make_policy
 
 ROWS = ("recompute", "load full", "load impress", "planner full", "planner impress")
@@ -76,7 +77,7 @@ def measure(rt, args, bar, on_cell=None) -> list[dict]:
             n_prefixes=args.prefixes, prefix_tokens=length, queries_per_prefix=args.queries,
             warmup_queries=args.warmup, query_tokens=args.query_tokens))
         pool = args.prefixes * length * kv_bytes_per_token(rt)
-        tiers = TierSizes(0, 0)
+        tiers = TierConfig(0, 0)
         bar.set_description(f"{length}-token prefixes: storing")
         with contextlib.ExitStack() as stack:
             stores = {label: stack.enter_context(prepared(rt, wl, _run(policy, "load", args),

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from impress_flexgen.planner import planner as planner_module
-from impress_flexgen.cli import ArgumentParser, finite_float, int_range, write_json
-from impress_flexgen.engine import TierSizes
+from impress_flexgen.bench.runner import prepared
+from impress_flexgen.bench.workload import WorkloadConfig, build_workload
+from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, int_range, write_json
 from impress_flexgen.errors import UserError
-from impress_flexgen.runtime import Runtime, RuntimeConfig
-from impress_flexgen.serving import prepared
-from impress_flexgen.workload import WorkloadConfig, build_workload
+from impress_flexgen.models.runtime import Runtime, RuntimeConfig
+from impress_flexgen.planner import planner as planner_module
+from impress_flexgen.tiers import TierConfig
 
 from . import __doc__ as _DOC
 from .cells import PLANNERS, ROWS, _run, measure, summary
@@ -127,7 +127,7 @@ def _calibrate(rt, args) -> dict:
     t0 = time.perf_counter()
     with prepared(rt, build_workload(rt.tokenizer, WorkloadConfig(
             n_prefixes=1, prefix_tokens=64, queries_per_prefix=1, warmup_queries=1,
-            query_tokens=8)), _run("full", "auto", args), TierSizes(0, 0),
+            query_tokens=8)), _run("full", "auto", args), TierConfig(0, 0),
             store_root=args.store_root) as ready:
         curve = ready.engine.planner.cost().prefill
         return {"a": curve.a, "b": curve.b, "c": curve.c,

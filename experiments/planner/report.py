@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from impress_flexgen.costs import Bandwidth, CostModel, PrefillCurve
 from impress_flexgen.errors import UserError
 from impress_flexgen.planner import choose
+from impress_flexgen.planner.costs import Bandwidth, CostModel, PrefillCurve
 
 from .cells import BETTER, CLOSE, NO_WORSE, PLANNERS, ROWS
 

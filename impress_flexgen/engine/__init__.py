@@ -17,14 +17,13 @@ family.py        the per-family layer math (OPT, Llama), the model's KV shape, p
 assemble.py      the one way to build policy + store + tiers + engine (assemble)
 """
 from ..request import Request, RequestStats, Response
-from .assemble import (Stack, StoreSpec, assemble, make_serving_policy, open_store,
-                       start_engine)
+from .assemble import Stack, StoreSpec, assemble, make_serving_policy, open_store, start_engine
 from .attention import attend
-from .engine import Engine, TierSizes
+from .engine import Engine
 from .family import FamilyMath, model_shape, probe_setup
 from .scheduler import SchedulerConfig
 from .sequence import Sequence
 
 __all__ = ["Engine", "FamilyMath", "Request", "RequestStats", "Response", "SchedulerConfig",
-           "Sequence", "Stack", "StoreSpec", "TierSizes", "assemble", "attend",
+           "Sequence", "Stack", "StoreSpec", "assemble", "attend",
            "make_serving_policy", "model_shape", "open_store", "probe_setup", "start_engine"]

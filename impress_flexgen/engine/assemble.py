@@ -3,7 +3,7 @@ experiments and the tests: the policy, the store shaped for the runtime's model,
 tiers in front of it, the engine.
 
     stack = assemble(runtime, make_policy("impress", config),
-                     StoreSpec(directory, reorder_interval=0), TierSizes(gpu_bytes=1 << 30))
+                     StoreSpec(directory, reorder_interval=0), TierConfig(gpu_bytes=1 << 30))
     try:
         response = stack.engine.serve(Request(prefix_ids, query_ids))
     finally:
@@ -21,10 +21,10 @@ from pathlib import Path
 from policies import ServingConfig, ServingPolicy, make_policy
 
 from ..errors import UserError
-from ..runtime import Runtime
+from ..models.runtime import Runtime
 from ..store import CHUNK_SIZE, PrefixStore, StoreConfig
 from ..tiers import ChunkCache, TierConfig
-from .engine import Engine, TierSizes
+from .engine import Engine
 from .family import model_shape, probe_setup
 from .scheduler import SchedulerConfig
 
@@ -74,7 +74,7 @@ def make_serving_policy(name: str, config: ServingConfig,
 
 
 def assemble(runtime: Runtime, policy: ServingPolicy, store: StoreSpec | PrefixStore | None = None,
-             tiers: TierSizes = TierSizes(), *, cache: ChunkCache | None = None,
+             tiers: TierConfig = TierConfig(), *, cache: ChunkCache | None = None,
              scheduling: SchedulerConfig = SchedulerConfig(), start: bool = False) -> Stack:
     """The engine serving `runtime`'s model with `policy`, over a store opened as `store`
     says when the policy reuses stored KV (none otherwise, or without `store`; a PrefixStore

@@ -38,11 +38,10 @@ import torch
 from policies import ServingPolicy
 
 from ..errors import CorruptNode, UserError
+from ..models.runtime import Runtime
 from ..planner.context import ContextKV
 from ..planner.planner import Planner
 from ..request import Request, RequestStats, Response
-from ..runtime import Runtime
-from ..scores import TokenScores
 from ..store import PrefixStore
 from ..tiers import TierConfig
 from ..tiers.pool import SharedMiss, shared_pool
@@ -51,19 +50,16 @@ from .prefix import Prefixes
 from .prefix_kv import PrefixKV
 from .runner import Runner
 from .scheduler import Scheduler, SchedulerConfig, free_memory_bytes
+from .scores import TokenScores
 from .sequence import ScoredPrompt, Sequence, checked
 from .store_writer import StoreWriter
 
 log = logging.getLogger("impress_flexgen.engine")
 
 
-# The tiers' record under its old name (sizes, shared pool): one record, tiers.TierConfig.
-TierSizes = TierConfig
-
-
 class Engine:
     def __init__(self, runtime: Runtime, store: PrefixStore | None, policy: ServingPolicy,
-                 tiers: TierSizes = TierSizes(),
+                 tiers: TierConfig = TierConfig(),
                  scheduling: SchedulerConfig = SchedulerConfig()):
         """Built by assemble() (assemble.py), which also puts the memory tiers in front of
         the store. `tiers`: the shared pool's settings (remote_url, ...)."""

@@ -30,14 +30,14 @@ from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
 from ..models.base import dense
+from ..models.runtime import Runtime
 from ..request import RequestStats
-from ..runtime import Runtime
 from ..sampling import Sampler
-from ..scores import score_hidden, step_scores
 from .attention import SideBySide, attend, attend_context, plan_rows
 from .family import FamilyMath
 from .lane import Lane
 from .prefix_kv import PrefixKV
+from .scores import score_hidden, step_scores
 from .sequence import PiecesKV, decode_context
 
 

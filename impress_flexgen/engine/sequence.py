@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from .. import quant
 from ..errors import UserError
+from ..models import quant
 from ..request import Request, RequestStats, Response
 
 _ids = itertools.count()

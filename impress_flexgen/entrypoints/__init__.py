@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if job == "run":
         from .run import main as job_main
     elif job == "serve":
-        from .openai_server import main as job_main
+        from .openai.server import main as job_main
     else:
         from .verify import main as job_main
     return run_main(f"impress-flexgen {job}", job_main, rest)

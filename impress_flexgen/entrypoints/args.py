@@ -133,7 +133,7 @@ PLACEMENT_HELP = (
 
 def placement_arg(text: str):
     """--placement: auto, a name (gpu, cpu, disk, mixed) or six comma-separated percentages."""
-    from ..placement import Placement
+    from ..models.placement import Placement
 
     try:
         return Placement.parse(text)
@@ -346,7 +346,7 @@ def _add_compression_args(c) -> None:
 def groups_arg(ndim: int, flag: str):
     """--weight-groups / --cache-groups: SIZE or SIZE,AXIS as quant.Groups."""
     def parse(text: str):
-        from ..quant import Groups
+        from ..models.quant import Groups
 
         parts = text.split(",")
         try:

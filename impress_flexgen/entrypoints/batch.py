@@ -15,8 +15,8 @@ def open_request_file(args, spec, tokenizer):
     already in it read), then every line of the request file. (requests, results or None,
     how many requests are left to serve)."""
     from ..frontend import Frontend
-    from ..request_files import RequestFile
-    from ..results_file import ResultsFile
+    from .request_files import RequestFile
+    from .results_file import ResultsFile
 
     results = None if args.output is None else \
         ResultsFile(args.output, args.requests, resume=args.resume)
@@ -44,7 +44,7 @@ class _Totals:
     def __init__(self):
         from array import array
 
-        from ..serving import PLAN_KINDS
+        from ..planner import PLAN_KINDS
 
         self.served = self.errors = self.matched = self.prompt = self.shared = 0
         self.ttft = array("d")
@@ -73,8 +73,8 @@ def serve_requests(rt, config, args, requests, results, todo: int) -> int:
     from tqdm import tqdm
 
     from ..errors import ServiceError
-    from ..request_files import batch_record
     from ..service import Service
+    from .request_files import batch_record
 
     totals = _Totals()
     kept = [] if args.json and results is None else None   # --json holds them without --output

@@ -9,7 +9,7 @@ from .args import write_json
 
 def check_prompts(spec, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Each prompt is non-empty, within the vocabulary, and fits the model's positions."""
-    from ..runtime import check_lengths
+    from ..models.runtime import check_lengths
 
     vocab = spec.config.vocab_size
     for i, ids in enumerate(prompts):

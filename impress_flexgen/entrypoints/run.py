@@ -18,8 +18,7 @@ from __future__ import annotations
 import sys
 
 from .. import defaults
-from .args import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
-                   int_range)
+from .args import ArgumentParser, add_model_args, add_serving_args, check_serving_args, int_range
 from .process import run_main
 
 WORKLOAD_MAX_NEW_TOKENS = 8     # the paper workload's; request files use defaults.MAX_TOKENS
@@ -123,8 +122,8 @@ def main(argv=None) -> int:
 
     from ..config import DEFAULT_TIER_BYTES, ServiceConfig
     from ..engine import model_shape
-    from ..runtime import Runtime, resolve_spec
-    from ..store_root import claim_store_root
+    from ..models.runtime import Runtime, resolve_spec
+    from ..store.root import claim_store_root
     from .batch import open_request_file, serve_requests
     from .generate import check_prompts, generate
     from .workload import check_workload, serve_workload
@@ -137,13 +136,13 @@ def main(argv=None) -> int:
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
     if args.dry_run:
-        from ..runtime import dry_run
+        from ..models.runtime import dry_run
 
         print(dry_run(cfg, spec))
         return 0
     tokenizer = requests = results = None
     if args.prompt or args.requests:
-        from ..runtime import load_tokenizer
+        from ..models.runtime import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
     if args.prompt:

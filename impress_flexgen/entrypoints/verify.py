@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import sys
 
-from ..runtime import (AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan,
-                       resolve_spec)
+from ..bench.texts import PROMPTS
 from ..config import runtime_memory_fields
-from ..texts import PROMPTS
+from ..models.runtime import (AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan,
+                              resolve_spec)
 from .args import (PLACEMENT_HELP, ArgumentParser, add_model_args, dtype_arg, int_range,
                    placement_arg, write_json)
 from .process import run_main
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                          **runtime_memory_fields(args))
 
     # Lengths are checked before any model is built.
-    from ..tokenizer import load_tokenizer
+    from ..models.tokenizer import load_tokenizer
 
     spec = resolve_spec(base, check_placement=False)
     for placement in placements:  # each refused now if it cannot fit, not after the first ran
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             ours.append((used, [rt.generate([p], args.new_tokens, record_logits=True)
                                 for p in prompts]))
 
-    from ..reference import greedy, load_reference
+    from ..models.reference import greedy, load_reference
 
     reference = load_reference(spec)
     theirs = [greedy(reference, p, args.new_tokens) for p in prompts]

@@ -11,7 +11,7 @@ from .args import write_json
 
 def check_workload(spec, args) -> None:
     """A request is a whole prefix plus a query, then --max-new-tokens generated."""
-    from ..runtime import check_lengths
+    from ..models.runtime import check_lengths
 
     check_lengths(spec, args.prefix_tokens + args.query_tokens, args.max_new_tokens,
                   what=f"a request (--prefix-tokens {args.prefix_tokens} + --query-tokens "
@@ -50,12 +50,12 @@ def serve_workload(rt, args, root: Path) -> int:
     from tqdm import tqdm
 
     from .. import progress
+    from ..bench.runner import kv_bytes_per_token, run_workload
+    from ..bench.workload import WorkloadConfig, build_workload
     from ..config import GB, ServiceConfig
     from ..engine import model_shape
-    from ..serving import kv_bytes_per_token, run_workload
-    from ..store_root import _store_name
+    from ..store.root import _store_name
     from ..tiers.remote_url import redact_url
-    from ..workload import WorkloadConfig, build_workload
 
     if args.quick:
         quick_for(rt, args)
@@ -120,7 +120,7 @@ def serve_workload(rt, args, root: Path) -> int:
 
 
 def print_summary(results, check: bool) -> None:
-    from ..serving import PLAN_KINDS
+    from ..planner import PLAN_KINDS
     from ..tiers import CPU, GPU
 
     names = list(results[0]["bytes_read"]) if results else []

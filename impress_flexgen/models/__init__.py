@@ -13,10 +13,10 @@ import torch
 
 from ..errors import UserError
 from ..paths import weights_dir
-from ..weights import content_digest, converted_dir, random_weight_path, save_tensor
 from .llama import SHAPES as LLAMA_SHAPES, LlamaConfig, convert_hf_llama, llama_config_from_hf
-from .opt import PUBLISHED as OPT_PUBLISHED, TINY as OPT_TINY, convert_hf_opt, opt_config, \
-    opt_config_from_hf
+from .opt import (PUBLISHED as OPT_PUBLISHED, TINY as OPT_TINY, convert_hf_opt, opt_config,
+                  opt_config_from_hf)
+from .weights import content_digest, converted_dir, random_weight_path, save_tensor
 
 MODEL_NAMES = (*OPT_PUBLISHED, *OPT_TINY, *LLAMA_SHAPES)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

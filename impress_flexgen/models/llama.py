@@ -19,9 +19,9 @@ from flexgen import flex_opt
 from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
-from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache, \
-    compressed_new, compressed_step, dense, linear, output_logits, pick_next_token
+from .base import (FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache,
+                   compressed_new, compressed_step, dense, linear, output_logits, pick_next_token)
+from .weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
 
 
 @dataclasses.dataclass(frozen=True)

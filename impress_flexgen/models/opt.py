@@ -12,9 +12,9 @@ from flexgen.opt_config import OptConfig, get_opt_config
 from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
-from ..weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
-from .base import FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache, \
-    compressed_new, compressed_step, linear, output_logits, pick_next_token
+from .base import (FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache,
+                   compressed_new, compressed_step, linear, output_logits, pick_next_token)
+from .weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
 
 PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
 

@@ -12,15 +12,15 @@ The math is imported here; the planner (it needs torch and the policies) on firs
 """
 from __future__ import annotations
 
-from .split import (BOTH_MARGIN, PLANS, Plan, PrefixCosts, choose, choose_plan, overlap,
-                    split_compute, split_costs)
+from .split import (BOTH_MARGIN, PLAN_KINDS, PLANS, Plan, PrefixCosts, choose, choose_plan,
+                    overlap, split_compute, split_costs)
 
-__all__ = ["BOTH_MARGIN", "PLANS", "Plan", "PrefixCosts", "choose", "choose_plan", "overlap",
-           "split_compute", "split_costs", "Planner", "PrefixPlanner", "StoreView",
-           "prefix_costs", "ContextKV"]
+__all__ = ["BOTH_MARGIN", "PLAN_KINDS", "PLANS", "Plan", "PrefixCosts", "choose", "choose_plan",
+           "overlap", "split_compute", "split_costs", "Planner", "StoreView", "prefix_costs",
+           "ContextKV"]
 
-_LAZY = {"Planner": "planner", "PrefixPlanner": "planner", "StoreView": "reads",
-         "prefix_costs": "reads", "ContextKV": "context"}
+_LAZY = {"Planner": "planner", "StoreView": "reads", "prefix_costs": "reads",
+         "ContextKV": "context"}
 
 
 def __getattr__(name: str):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("impress_flexgen.costs")
+log = logging.getLogger("impress_flexgen.planner.costs")
 
 CACHE_VERSION = 3   # 2: the 4,096-token point; 3: dense attention, n * (ctx + n)
 # Points measured by default: short and long prefills, with and without earlier context,

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from .. import quant
-from ..footprint import footprint
+from ..models import quant
+from ..models.footprint import footprint
 from .costs import PrefillCurve
 
 _SIDE = 4096            # 64 MiB in fp32: out of any CPU cache

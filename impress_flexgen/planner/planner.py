@@ -354,12 +354,3 @@ class Planner:
                 "correction": {m: c.value for m, c in self.correction.items()},
                 "observed": {m: c.count for m, c in self.correction.items()},
                 "recalibrations": self.recalibrations, "explored": self.explored}
-
-
-def PrefixPlanner(engine, points=DEFAULT_POINTS) -> Planner:   # noqa: N802 (the old class)
-    """The planner of an engine (Planner.for_engine), under its former name."""
-    return Planner.for_engine(engine, points)
-
-
-# The engine measures its prefill curve over this stand-in (imported from here before).
-from .context import ContextKV  # noqa: E402,F401

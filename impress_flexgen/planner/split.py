@@ -34,6 +34,7 @@ from numbers import Integral
 from .costs import CostModel
 
 PLANS = ("auto", "load", "recompute", "both")
+PLAN_KINDS = PLANS[1:]          # what a request's plan turns out to be (auto chooses)
 BOTH_MARGIN = 0.03
 
 

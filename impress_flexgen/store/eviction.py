@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..radix import RadixNode
 from ..errors import StoreFull, StoreWriteFailed
 from .files import LayerFiles
+from .radix import RadixNode
 from .state import StoreState, meta_write
 
 log = logging.getLogger("impress_flexgen.store")

@@ -14,8 +14,8 @@ import torch
 from disk_layout import io as dio
 from disk_layout.format import LayerFileLayout, crc32, encode_probe, probe_supported, section_image
 
-from ..radix import RadixNode
 from ..errors import DiskFull, StoreWriteFailed
+from .radix import RadixNode
 from .state import StoreState
 
 log = logging.getLogger("impress_flexgen.store")

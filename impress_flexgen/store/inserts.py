@@ -9,12 +9,12 @@ import numpy as np
 from disk_layout.format import LayerFileLayout
 from disk_layout.metadata import LayerRow
 
-from ..radix import PrefixMatch, RadixNode
 from ..errors import DiskFull, StoreWriteFailed
 from .config import namespace_key
 from .entries import LayerEntry, LayerStats
 from .eviction import Removal
 from .files import LayerFiles
+from .radix import PrefixMatch, RadixNode
 from .reads import DiskReads
 from .state import StoreState, meta_write
 

@@ -15,10 +15,10 @@ from disk_layout.format import LEGACY_KV_FORMAT
 from disk_layout.metadata import SCHEMA_VERSION, LayerRow, Metadata, valid_file_name
 
 from ..errors import UserError
-from ..radix import RadixNode
 from .config import STORE_FORMAT
 from .entries import LayerEntry, LayerStats
 from .files import LayerFiles
+from .radix import RadixNode
 from .state import StoreState, meta_write
 
 log = logging.getLogger("impress_flexgen.store")

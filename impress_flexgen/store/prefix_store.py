@@ -35,7 +35,6 @@ from disk_layout.io import DiskReader
 from disk_layout.metadata import MetadataError
 
 from ..errors import StoreWriteFailed, UserError
-from ..radix import PrefixMatch, RadixNode
 from ..tiers import DiskTier, TierStack
 from .accounting import Accounting
 from .config import ModelShape, StoreConfig, namespace_key
@@ -45,6 +44,7 @@ from .files import LayerFiles
 from .importance import Importance
 from .inserts import Inserter
 from .opening import StoreOpener
+from .radix import PrefixMatch, RadixNode
 from .reads import DiskReads, ProbeRead
 from .reorder import ReorderEngine, Reorderer
 from .state import StoreState

@@ -14,12 +14,12 @@ from disk_layout import io as dio
 from disk_layout.metadata import LayerRow, MetadataError
 
 from .. import cpu_threads
-from ..radix import RadixNode
 from ..errors import CorruptNode, StoreWriteFailed
 from .entries import LayerEntry, LayerStats
 from .eviction import Removal
 from .files import LayerFiles, new_file_name
 from .importance import Importance
+from .radix import RadixNode
 from .reads import DiskReads
 from .state import StoreState, meta_write
 

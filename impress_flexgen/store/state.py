@@ -16,10 +16,10 @@ import numpy as np
 from disk_layout.format import LayerFileLayout
 from disk_layout.metadata import MetadataError, MetadataFull
 
-from ..radix import RadixNode, RadixTree
 from ..errors import StoreFull, StoreWriteFailed
 from .config import ModelShape, StoreConfig
 from .entries import LayerEntry, LayerStats, StoreMetrics
+from .radix import RadixNode, RadixTree
 
 
 @dataclasses.dataclass(eq=False)

@@ -57,7 +57,7 @@ class TierSpec:
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
     """The tiers in front of the disk and the shared pool behind it: one record for the
-    memory chain, the engine and the service (engine.TierSizes is this record's old name).
+    memory chain, the engine and the service.
     The engine gives its chain the serving policy's tier policy."""
 
     gpu_bytes: int = 0        # capacity of the GPU tier in bytes (0 = tier disabled)

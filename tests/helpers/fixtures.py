@@ -10,7 +10,7 @@ from tests.redis_server import RedisServer, require_redis_server
 @pytest.fixture(scope="module")
 def llama_tiny_runtime(tmp_path_factory):
     """The llama-tiny runtime (seeded random weights) of the module, closed after it."""
-    from impress_flexgen.runtime import Runtime, RuntimeConfig
+    from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(RuntimeConfig(model="llama-tiny",
                                offload_dir=str(tmp_path_factory.mktemp("off"))))

@@ -19,12 +19,12 @@ import sys
 import threading
 import time
 
-from ..errors import UserError, require
-from ..serve_guard import BACKLOG, DEFAULT_MAX_BODY_BYTES, READ_TIMEOUT_S, ServerOptions
-from .args import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
-                   finite_float, int_range)
-from .openai_app import create_app
-from .process import run_main
+from ...errors import UserError, require
+from ..args import (ArgumentParser, add_model_args, add_serving_args, check_serving_args,
+                    finite_float, int_range)
+from ..process import run_main
+from .app import create_app
+from .guard import BACKLOG, DEFAULT_MAX_BODY_BYTES, READ_TIMEOUT_S, ServerOptions
 
 def bind(host: str, port: int) -> socket.socket:
     """A bound socket for the server (before the model loads, so a busy port fails fast)."""
@@ -48,7 +48,7 @@ def _uvicorn_server(service, log_level: str, graceful_s: float | None,
                    options: ServerOptions | None = None):
     """uvicorn with a read deadline, a connection cap and quiet accept errors
     (http_server.py)."""
-    from .http_server import http_server
+    from .http import http_server
 
     options = options or ServerOptions()
     return http_server(create_app(service, options), log_level, graceful_s, options)
@@ -159,9 +159,9 @@ def main(argv=None) -> int:
     # model loads.
     require("fastapi", "the OpenAI-compatible server", "fastapi==0.165.0")
     require("uvicorn", "the OpenAI-compatible server", "uvicorn==0.54.0")
-    from ..config import ServiceConfig
-    from ..runtime import resolve_spec
-    from ..service import Service
+    from ...config import ServiceConfig
+    from ...models.runtime import resolve_spec
+    from ...service import Service
 
     config = ServiceConfig.from_args(args, queue_size=args.queue_size, timeout_s=args.timeout_s)
     resolve_spec(config.runtime_config())      # an unknown model fails before anything else

@@ -5,7 +5,7 @@ import inspect
 
 import torch
 
-from .models import ModelSpec
+from . import ModelSpec
 from .weights import parse_random_path, random_tensor
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import compat, cpu_threads, progress, scratch, weight_sets, weights
-from .errors import UserError
-from .models import ModelSpec, resolve
-from .paths import offload_dir as default_offload_dir
+from .. import cpu_threads, progress
+from ..errors import UserError
+from ..paths import offload_dir as default_offload_dir
+from ..store import scratch
+from . import ModelSpec, compat, resolve, weight_sets, weights
 from .placement import AUTO, AutoPlacement, Placement, Plan, make_plan  # noqa: F401 - re-exported
 from .quant import Groups
 
@@ -232,9 +233,9 @@ class Runtime:
 
     def _build(self):
         if self.spec.family == "opt":
-            from .models.opt import OptModel as cls
+            from .opt import OptModel as cls
         else:
-            from .models.llama import LlamaModel as cls
+            from .llama import LlamaModel as cls
         return cls(self.spec.config, self.env, self.spec.weight_path, self.policy)
 
     @property

@@ -29,8 +29,8 @@ from typing import Iterator
 
 import numpy as np
 
-from . import defaults
-from .errors import UserError
+from .. import defaults
+from ..errors import UserError
 
 PLAIN_FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_p",
                 "seed", "stop", "id"}
@@ -131,7 +131,7 @@ class RequestFile:
     def _build(self, entry: Entry, item: dict) -> None:
         """Tokenise and check the request: entry.job, or (batch) entry.error; a plain line
         that cannot be served is a UserError."""
-        from .errors import ServiceError
+        from ..errors import ServiceError
 
         try:
             if self.batch:
@@ -154,7 +154,7 @@ class RequestFile:
 
     def _batch_kwargs(self, item: dict) -> dict:
         """Frontend.build's arguments for a batch line's body, or ServiceError."""
-        from .errors import ServiceError
+        from ..errors import ServiceError
 
         for key in sorted(set(item) - BATCH_FIELDS):
             raise ServiceError(400, f"unknown field {key!r} in a batch line (fields: "

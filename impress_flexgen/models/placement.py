@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from . import plan_text
-from .errors import UserError
 # What the model needs, wherever it goes (footprint.py; its names stay readable here).
 from .footprint import (ACT_TOKENS, DEVICES, Footprint, cache_heads,  # noqa: F401
                         footprint, weight_shapes)
@@ -187,8 +187,8 @@ def machine_resources(offload_root: Path, max_ram: int | None = None,
     import psutil
     import torch
 
-    from . import scratch
-    from .paths import weights_dir
+    from ..paths import weights_dir
+    from ..store import scratch
 
     offload_root = Path(offload_root).expanduser()
     if offload_root.is_dir():
@@ -420,7 +420,7 @@ def make_plan(spec, cfg, resources: Resources | None = None) -> Plan:
     """The placement and weight format `cfg` asks for (auto or explicit) with its bytes per
     device; UserError when this machine cannot hold it, before anything is allocated or
     written, naming every option that would fit."""
-    from .paths import offload_dir as default_offload_dir
+    from ..paths import offload_dir as default_offload_dir
 
     root = Path(cfg.offload_dir).expanduser() if cfg.offload_dir else default_offload_dir()
     res = resources if resources is not None else machine_resources(

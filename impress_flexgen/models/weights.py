@@ -22,10 +22,10 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from . import scratch
-from .errors import UserError
+from ..errors import UserError
+from ..store import scratch
 
-log = logging.getLogger("impress_flexgen.weights")
+log = logging.getLogger("impress_flexgen.models.weights")
 
 RANDOM_MARKER = "<random-weights"
 # A 4-bit matrix of a weight set (weight_sets.py): its packed bytes and its fp16 scales.
@@ -146,7 +146,7 @@ class loading:
     places (rate and time left)."""
 
     def __init__(self, total: int):
-        from . import progress
+        from .. import progress
 
         self.bar = progress.bar(total, "loading weights")
 

@@ -21,8 +21,8 @@ import threading
 
 import torch
 
-from . import cpu_threads
-from .errors import UserError
+from .. import cpu_threads
+from ..errors import UserError
 
 BITS = 4
 LEVELS = 2 ** BITS - 1

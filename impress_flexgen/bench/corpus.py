@@ -20,7 +20,7 @@ from impress_flexgen.errors import UserError
 def _texts_dir() -> Path:
     """data/texts/ of a checkout; an installed package (`pip install .`) carries the same
     files under <prefix>/share/impress_flexgen/texts."""
-    checkout = Path(__file__).resolve().parents[1] / "data" / "texts"
+    checkout = Path(__file__).resolve().parents[2] / "data" / "texts"
     installed = Path(sys.prefix) / "share" / "impress_flexgen" / "texts"
     return checkout if checkout.is_dir() or not installed.is_dir() else installed
 

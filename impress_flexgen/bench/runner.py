@@ -1,6 +1,6 @@
 """Running a workload with one configuration, and summarising what happened.
 
-    row = run_workload(runtime, workload, RunConfig("impress", "impress"), TierSizes())
+    row = run_workload(runtime, workload, RunConfig("impress", "impress"), TierConfig())
 
 Used by the main job (`python -m impress_flexgen.run`) and by the experiments, so that a
 row of a benchmark and a run of the product are measured the same way.
@@ -19,19 +19,18 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import scratch
-from .config import RunConfig, StoreOptions
-from .engine import Engine, Request, TierSizes, model_shape
-from .engine.assemble import StoreSpec, assemble, make_serving_policy, start_engine
-from .errors import UserError
-from .planner import PLANS
-from .runtime import Runtime
-from .tiers import GPU, REMOTE, TierConfig
+from ..config import RunConfig, StoreOptions
+from ..engine import Engine, Request, model_shape
+from ..engine.assemble import StoreSpec, assemble, make_serving_policy, start_engine
+from ..errors import UserError
+from ..models.runtime import Runtime
+from ..planner import PLAN_KINDS
+from ..store import scratch
+from ..tiers import GPU, REMOTE, TierConfig
 from .workload import Workload
 
-log = logging.getLogger("impress_flexgen.serving")
+log = logging.getLogger("impress_flexgen.bench.runner")
 
-PLAN_KINDS = tuple(p for p in PLANS if p != "auto")   # what a request's plan turns out to be
 
 
 def kv_bytes_per_token(runtime: Runtime, kv_format: str | None = None) -> int:
@@ -59,7 +58,7 @@ class Prepared:
 
 
 @contextlib.contextmanager
-def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
+def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierConfig, *,
              store_dir: Path | None = None, store_root: Path | None = None,
              store: StoreOptions | None = None) -> Iterator[Prepared]:
     """Each prefix is first served once (computed and inserted, unless already stored),
@@ -109,7 +108,7 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSi
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierSizes, *,
+def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierConfig, *,
                  store_dir: Path | None = None, store_root: Path | None = None,
                  reference: dict | None = None, max_new_tokens: int = 1,
                  store: StoreOptions | None = None, progress=None, on_response=None) -> dict:

@@ -34,7 +34,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..serve_guard import ServerOptions
+from .guard import ServerOptions
 
 log = logging.getLogger("uvicorn.error")   # uvicorn's own lines: its format and level
 # Descriptors kept for the rest of the process: the store's reader keeps up to 256 files

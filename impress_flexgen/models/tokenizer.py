@@ -18,9 +18,9 @@ import os
 import shutil
 from pathlib import Path
 
-from . import scratch
-from .errors import UserError
-from .paths import cache_dir
+from ..errors import UserError
+from ..paths import cache_dir
+from ..store import scratch
 from .weights import fsync_tree
 
 # A directory holding SmolLM2's tokenizer (tokenizer.json), used for random-weight models
@@ -92,7 +92,7 @@ def stand_in_tokenizer() -> tuple[object, str]:
     """SmolLM2's tokenizer for models without a vocabulary of their own, and where from."""
     from transformers import AutoTokenizer
 
-    from .models import SMOLLM2_GGUF, smollm2_gguf
+    from . import SMOLLM2_GGUF, smollm2_gguf
 
     named = os.environ.get(TOKENIZER_ENV)
     if named:
@@ -121,7 +121,7 @@ def stand_in_tokenizer() -> tuple[object, str]:
 def export_stand_in(dest: Path) -> Path:
     """Save SmolLM2's tokenizer (converted from the GGUF) to `dest` for TOKENIZER_ENV:
     tokenizer.json and its config, written whole (a temporary directory renamed)."""
-    from .models import smollm2_gguf
+    from . import smollm2_gguf
 
     tok = _gguf_tokenizer(smollm2_gguf())
     dest = Path(dest)

@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import ServiceError
+from ...errors import ServiceError
 
 MAX_N = 16     # choices per request
 
@@ -178,7 +178,7 @@ def package_version() -> str:
         from pathlib import Path
 
         try:
-            with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            with open(Path(__file__).resolve().parents[3] / "pyproject.toml", "rb") as f:
                 return tomllib.load(f)["project"]["version"]
         except (OSError, KeyError, ValueError):
             return "unknown"

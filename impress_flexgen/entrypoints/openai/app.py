@@ -18,7 +18,7 @@ import functools
 import time
 import uuid
 
-from ..serve_guard import ServerOptions
+from .guard import ServerOptions
 
 _END = object()
 
@@ -26,7 +26,7 @@ _END = object()
 def _error(status: int, message: str, param: str | None = None, code: str | None = None):
     from fastapi.responses import JSONResponse
 
-    from ..errors import ServiceError
+    from ...errors import ServiceError
 
     return JSONResponse(ServiceError(status, message, param, code).body(), status_code=status)
 
@@ -39,12 +39,12 @@ def create_app(service, options: ServerOptions | None = None):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    from .. import defaults
-    from ..openai_api import (ChatBody, Common, CompletionBody, DetokenizeBody, TokenizeBody,
-                             chat_logprobs, completion_logprobs, package_version,
-                             prompt_block, refuse_unsupported, usage, validation_message)
-    from ..errors import ServiceError
-    from ..serve_guard import Guard, bearer_key, namespace
+    from ... import defaults
+    from ...errors import ServiceError
+    from .guard import Guard, bearer_key, namespace
+    from .protocol import (ChatBody, Common, CompletionBody, DetokenizeBody, TokenizeBody,
+                           chat_logprobs, completion_logprobs, package_version, prompt_block,
+                           refuse_unsupported, usage, validation_message)
 
     options = options or ServerOptions()
     app = FastAPI(title="impress_flexgen", docs_url=None, redoc_url=None, openapi_url=None)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import StoreOptions  # noqa: F401 - importable from here as before
-from .errors import UserError
+from ..errors import UserError
 
 STORE_ROOT_MARK = ".impress_flexgen-stores"
 

@@ -31,14 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import progress, quant, scratch
-from .errors import UserError
+from .. import progress
+from ..errors import UserError
+from ..paths import weights_dir
+from ..store import scratch
+from . import quant
 from .footprint import weight_names
 from .formats import WeightFormat
-from .paths import weights_dir
 from .weights import PACKED, SCALES, file_identity, fsync_tree, parse_random_path, random_tensor
 
-log = logging.getLogger("impress_flexgen.weight_sets")
+log = logging.getLogger("impress_flexgen.models.weight_sets")
 
 MANIFEST = "WEIGHTS.json"
 RATES = "RATES.json"          # what the last set made here measured: an estimate's basis

@@ -17,7 +17,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 _write = os.write      # every write and fsync goes through these (tests make them fail)
 _fsync = os.fsync
