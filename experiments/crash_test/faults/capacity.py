@@ -25,7 +25,7 @@ def capacity(base: Path, seed: int, failures: list[str]) -> dict:
         tokens.append(new)
     with PrefixStore(base / "capacity-size", SHAPE, store_config("int4")) as probe:
         probe.insert(tokens[0], 0, kv_from_bits(expected_bits(tokens[0][:n])))
-        one = probe.disk_bytes()
+        one = probe.inspect().accounting.disk_bytes()
     cap = int(3.5 * one)
     res = {"capacity_bytes": cap, "prefix_bytes": one, "over_capacity": 0, "newest_missed": 0,
            "stale_reads": 0, "store_full": 0}
