@@ -77,7 +77,7 @@ def _serve(rt, root, name: str, cfg: ServingConfig, where: str, cache_of=None,
                          TierConfig(), cache=None if cache_of is None else cache_of(rt))
         try:
             if where != "compute":
-                stack.engine.prefix.select_device = _device(where)
+                stack.engine.runner.prefix.select_device = _device(where)
             stack.engine.serve(Request(P1, Q1, 1))
             stack.engine.serve(Request(P1 + P2, Q1, 1))
             if stack.store is not None:
