@@ -6,7 +6,7 @@ import inspect
 import torch
 
 from . import ModelSpec
-from .weights import parse_random_path, random_tensor
+from .weights import parse_random_path, random_tensor, random_weight_path
 
 
 def _hf_config(spec: ModelSpec):
@@ -46,7 +46,11 @@ def load_reference(spec: ModelSpec):
     elif spec.checkpoint is not None:
         model = AutoModelForCausalLM.from_pretrained(str(spec.checkpoint), dtype=torch.float32)
     else:
-        seed, std, _ = parse_random_path(spec.weight_path + "/x")
+        # Seeded weights: drawn here as the runtime drew them, also when it reads them from
+        # the set it made once in the weights cache (its weight_path then names that set).
+        marker = parse_random_path(spec.weight_path + "/x") or \
+            parse_random_path(random_weight_path(spec.seed) + "/x")
+        seed, std, _ = marker
         model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
         dtype = torch.float16 if spec.config.dtype.__name__ == "float16" else torch.float32
         state = {}
