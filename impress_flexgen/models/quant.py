@@ -156,6 +156,8 @@ class Workspace:
 
 
 def _storage_uses(t: torch.Tensor) -> int:
+    # torch has no public count of the tensors sharing a storage. A weakref on the tensor
+    # handed out would not do: views made from it keep the storage alive after it is gone.
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
