@@ -33,10 +33,11 @@ DEFAULT_TIER_BYTES = (256 << 20, 1 << 30)   # a server's GPU and CPU tiers, unle
 
 
 def dtype_of(name: str | None):
-    """--dtype's value (fp16, fp32) as a numpy dtype; None: the model's default."""
-    import numpy as np
+    """--dtype's value (fp32, fp16, bf16) as the dtype a model's config holds (numpy's,
+    bf16 as models.dtypes.BF16); None: the model's default."""
+    from .models import dtypes
 
-    return {None: None, "fp16": np.float16, "fp32": np.float32}[name]
+    return dtypes.of_name(name)
 
 
 def runtime_memory_fields(args) -> dict:

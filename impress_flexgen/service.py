@@ -29,6 +29,7 @@ import uuid
 from typing import Callable
 
 from .config import ServiceConfig
+from .models import dtypes
 from .errors import ServiceError, UserError
 from .frontend import Completion, Frontend, Job, TextStream
 from .metrics import Drain, ServiceMetrics
@@ -143,7 +144,7 @@ class Service:
         spec = self.rt.spec
         weights = f"random (seed {spec.seed})" if spec.random_weights else "real"
         device = "cuda" if torch.cuda.is_available() else "cpu only"
-        return [f"model {spec.name} ({spec.family}, {spec.config.dtype.__name__}, {device}), "
+        return [f"model {spec.name} ({spec.family}, {dtypes.name(spec.config.dtype)}, {device}), "
                 f"weights {weights}, {spec.config.max_seq_len} positions",
                 f"placement: {self.rt.cfg.placement.describe()}",
                 *self.describe_serving(),

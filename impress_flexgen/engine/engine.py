@@ -38,6 +38,7 @@ import torch
 from policies import ServingPolicy
 
 from ..errors import CorruptNode, UserError
+from ..models import dtypes
 from ..models.runtime import Runtime
 from ..planner.context import ContextKV
 from ..planner.planner import Planner
@@ -78,8 +79,7 @@ class Engine:
         # the model while another engine serves).
         self.lock = runtime.compute_lock
         self.device = runtime.model.layers[0].compute.dev
-        self.dtype = torch.float16 if runtime.spec.config.dtype.__name__ == "float16" \
-            else torch.float32
+        self.dtype = dtypes.torch_dtype(runtime.spec.config.dtype)
         if store is not None and policy.reuse and \
                 tuple(store.config.probe_heads) != self.probe_kv_heads:
             raise UserError(f"store probe copy holds KV heads {store.config.probe_heads}, "

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +16,7 @@ from policies import ServingConfig
 from policies.base import resolve_probe_heads
 
 from ..errors import UserError
+from ..models import dtypes
 from ..store import CHUNK_SIZE, ModelShape, model_fingerprint
 from ..models.base import linear
 from ..models.llama import llama_out, llama_qkv, rms_norm, rope_cos_sin
@@ -82,13 +82,13 @@ def model_shape(spec, chunk_size: int = CHUNK_SIZE, kv_format: str | None = None
     fingerprint covers the weights' content, the compute dtype, the KV format, the chunk
     size and the layout."""
     m = FamilyMath(spec)
-    compute = np.dtype(spec.config.dtype)
+    compute = dtypes.torch_dtype(spec.config.dtype)
     kv_format = kv_format or kv_format_of(compute)
     # 4-bit weights are other weights than those they were made from: their identity.
     digest = getattr(spec, "identity", None)
     if digest is None:
         digest = getattr(spec, "weights_digest", "")
-    fingerprint = model_fingerprint(digest, compute.name, chunk_size, kv_format) \
+    fingerprint = model_fingerprint(digest, dtypes.name(compute), chunk_size, kv_format) \
         if digest else ""
     return ModelShape(spec.name, m.n_layers, m.n_kv_head, m.head_dim, fingerprint, kv_format,
                       kv_format_lossless(kv_format, compute))

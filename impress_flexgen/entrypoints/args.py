@@ -303,9 +303,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None,
                         "FlexGen's per-tensor format and cached")
     p.add_argument("--seed", type=int_range(0), default=0,
                    help="seed of random weights (default 0)")
-    p.add_argument("--dtype", choices=("fp16", "fp32"),
-                   help="dtype of weights and compute (default: fp16 with CUDA, fp32 without: "
-                        "CPUs multiply fp16 far more slowly)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="dtype of weights, activations and KV (default: fp16 with CUDA, fp32 "
+                        "without; bf16 computes faster on a CPU, fp16 far slower)")
     p.add_argument("--offload-dir", metavar="DIR",
                    help="where FlexGen keeps disk-placed weights and cache "
                         "(default: the user cache directory)")
@@ -367,7 +367,7 @@ def groups_arg(ndim: int, flag: str):
 
 
 def dtype_arg(name: str | None):
-    """--dtype's value as a numpy dtype (the configuration's one mapping, config.dtype_of)."""
+    """--dtype's value as a config's dtype (the configuration's one mapping, config.dtype_of)."""
     from ..config import dtype_of
 
     return dtype_of(name)

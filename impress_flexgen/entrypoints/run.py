@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 
 from .. import defaults
+from ..models import dtypes
 from .args import ArgumentParser, add_model_args, add_serving_args, check_serving_args, int_range
 from .process import run_main
 
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     with Runtime(cfg, spec=spec, tokenizer=tokenizer) as rt:
         device = "cuda" if torch.cuda.is_available() else "cpu only"
         weights = f"random (seed {rt.spec.seed})" if rt.spec.random_weights else "real"
-        print(f"model {rt.spec.name} ({rt.spec.family}, {rt.spec.config.dtype.__name__}, "
+        print(f"model {rt.spec.name} ({rt.spec.family}, {dtypes.name(rt.spec.config.dtype)}, "
               f"{device}), weights {weights}, built in {rt.load_s:.1f} s")
         print(f"placement: {rt.placement.describe()}")
         if requests is not None:

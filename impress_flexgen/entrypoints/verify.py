@@ -12,6 +12,7 @@ import sys
 
 from ..bench.texts import PROMPTS
 from ..config import runtime_memory_fields
+from ..models import dtypes
 from ..models.runtime import (AUTO, Placement, Runtime, RuntimeConfig, check_lengths, make_plan,
                               resolve_spec)
 from .args import (PLACEMENT_HELP, ArgumentParser, add_model_args, dtype_arg, int_range,
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             ours.append((used, [rt.generate([p], args.new_tokens, record_logits=True)
                                 for p in prompts]))
 
-    from ..models.reference import greedy, load_reference
+    from ..models.reference import greedy, load_reference, reference_dtype
 
     reference = load_reference(spec)
     theirs = [greedy(reference, p, args.new_tokens) for p in prompts]
@@ -94,8 +95,8 @@ def main(argv=None) -> int:
         "max_abs_logit_diff": round(max_diff, 6),
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
-        "runtime_dtype": spec.config.dtype.__name__,
-        "reference": "transformers, float32",
+        "runtime_dtype": dtypes.name(spec.config.dtype),
+        "reference": f"transformers, {str(reference_dtype(spec)).removeprefix('torch.')}",
         "placements": per_placement,
     }
     write_json(args.json, result)

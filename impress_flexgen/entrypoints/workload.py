@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..models import dtypes
 from .args import write_json
 
 
@@ -30,7 +31,7 @@ def quick_for(rt, args) -> None:
 
     if torch.cuda.is_available():
         return
-    dtype = torch.float16 if rt.spec.config.dtype.__name__ == "float16" else torch.float32
+    dtype = dtypes.torch_dtype(rt.spec.config.dtype)
     curve, basis = measured_curve(rt.spec, torch.device("cpu"), dtype), "measured here"
     if curve is None:
         curve, basis = estimate_for(rt), "estimated from bytes and FLOPs"

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UserError
 from ..paths import weights_dir
+from . import dtypes
 from .llama import SHAPES as LLAMA_SHAPES, LlamaConfig, convert_hf_llama, llama_config_from_hf
 from .opt import (PUBLISHED as OPT_PUBLISHED, TINY as OPT_TINY, convert_hf_opt, opt_config,
                   opt_config_from_hf)
@@ -142,7 +143,7 @@ def convert_gguf_llama(path: Path, config: LlamaConfig, dtype) -> Path:
                 w = _unpermute_gguf_qk(w, config.n_head)
             elif name.endswith("k_proj.weight"):
                 w = _unpermute_gguf_qk(w, config.n_kv_head)
-            save_tensor(out, name, w.astype(dtype))
+            save_tensor(out, name, dtypes.cast(w, dtype))
 
     return converted_dir(weights_dir(), config.name, [path], dtype, convert)
 

@@ -35,7 +35,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import quant
+from . import dtypes, quant
 
 _applied = False
 _open_disks: "weakref.WeakSet" = weakref.WeakSet()
@@ -161,7 +161,7 @@ def _synchronize_disk(original):
 
 
 _NPY_HEADER = re.compile(
-    r"'descr':\s*'(?P<descr>[^']+)',\s*'fortran_order':\s*(?P<fortran>True|False),"
+    r"'descr':\s*(?:'(?P<descr>[^']+)'|(?P<bf16>\[\('bfloat16',\s*'<u2'\)\])),\s*'fortran_order':\s*(?P<fortran>True|False),"
     r"\s*'shape':\s*\((?P<shape>[0-9,\s]*)\)")
 
 
@@ -181,7 +181,8 @@ def open_npy(path: str) -> np.memmap:
     if m is None or m["fortran"] == "True":
         raise ValueError(f"{path}: unsupported .npy header {header.strip()!r}")
     shape = tuple(int(x) for x in m["shape"].replace(" ", "").split(",") if x)
-    return np.memmap(path, dtype=np.dtype(m["descr"]), mode="r+",
+    dtype = dtypes.BF16 if m["bf16"] else np.dtype(m["descr"])
+    return np.memmap(path, dtype=dtype, mode="r+",
                      offset=8 + size_bytes + header_len, shape=shape, order="C")
 
 
@@ -193,7 +194,7 @@ def _map_to_torch_tensor(original):
             indices = tuple(indices)
         if tensor.device.device_type != DeviceType.DISK:
             return original(tensor, indices)
-        data = torch.from_numpy(open_npy(tensor.data))
+        data = dtypes.from_numpy(open_npy(tensor.data))
         if torch.is_tensor(indices):
             from flexgen.pytorch_backend import vector_gather
             return vector_gather(data, indices)
@@ -282,9 +283,10 @@ def _route_compression() -> None:
 def apply() -> bool:
     """Patch FlexGen for CPU-only torch. Returns True when patches were applied.
 
-    The thread-safe .npy reader and the compression routed through quant.py are
-    installed on every machine."""
+    The thread-safe .npy reader, bf16 (dtypes.py) and the compression routed through
+    quant.py are installed on every machine."""
     global _applied
+    dtypes.register_with_flexgen()
     _make_npy_reads_thread_safe()
     _route_compression()
     if _applied:

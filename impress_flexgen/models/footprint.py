@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 
-from . import quant
+from . import dtypes, quant
 
 # Working memory is sized for a forward pass over this many tokens (or the model's
 # positions, if fewer): long prompts need more, and get it from the margins.
@@ -148,7 +148,7 @@ def footprint(spec, batch: int = 1, groups=None, cache_groups=None) -> Footprint
     """What `spec` needs: weights in its dtype (4-bit matrices with `groups`), FlexGen's KV
     cache of a full-length generation (4-bit with `cache_groups`), working memory."""
     c = spec.config
-    itemsize = np.dtype(c.dtype).itemsize
+    itemsize = dtypes.itemsize(c.dtype)
     shapes = weight_shapes(spec)
     counts = Counter((tuple(_tensor_bytes(s, itemsize, groups) for s in layer),
                       tuple(int(np.prod(s)) for s in layer)) for layer in shapes)
@@ -174,4 +174,4 @@ def footprint(spec, batch: int = 1, groups=None, cache_groups=None) -> Footprint
         act += layer_elements * itemsize + largest * 4
     return Footprint(tuple(k for k, _ in counts), tuple(counts.values()),
                      tuple(e for _, e in counts), cache, act, largest * (4 + itemsize),
-                     np.dtype(c.dtype).name)
+                     dtypes.name(c.dtype))

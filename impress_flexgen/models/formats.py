@@ -17,14 +17,14 @@ import hashlib
 
 import numpy as np
 
+from . import dtypes
+from .dtypes import BF16
 from .quant import Groups
-
-DTYPE_NAMES = {"fp32": np.float32, "fp16": np.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    name: str                     # what the user reads: fp32, fp16, int4
+    name: str                     # what the user reads: fp32, bf16, fp16, int4
     dtype: type                   # the compute dtype (uncompressed weights are held in it)
     groups: Groups | None = None  # FlexGen's 4-bit groups; None: held in the dtype
 
@@ -34,7 +34,7 @@ class WeightFormat:
 
     @property
     def dtype_name(self) -> str:
-        return np.dtype(self.dtype).name
+        return dtypes.name(self.dtype)
 
     @property
     def label(self) -> str:
@@ -50,8 +50,7 @@ class WeightFormat:
 
     def flags(self) -> str:
         """The command-line flags that ask for this format."""
-        dtype = next(k for k, v in DTYPE_NAMES.items() if np.dtype(v) == np.dtype(self.dtype))
-        return f"--dtype {dtype}" + (" --compress-weight" if self.compress else "")
+        return f"--dtype {dtypes.flag(self.dtype)}" + (" --compress-weight" if self.compress else "")
 
     def digest(self, weights_digest: str) -> str:
         """The identity of what computes with weights of `weights_digest` held this way:
@@ -70,9 +69,12 @@ AUTO_FORMATS = {
     "cuda": (("fp16", np.float16, False), ("int4", np.float16, True)),
 }
 SLOW_FORMATS = {
-    "cpu": ((("fp16", np.float16, False), "computes far slower on a CPU"),
+    "cpu": ((("bf16", BF16, False), "rounds every value to 8 bits of mantissa"),
+            (("int4", BF16, True), "rounds every value to 8 bits of mantissa"),
+            (("fp16", np.float16, False), "computes far slower on a CPU"),
             (("int4", np.float16, True), "computes far slower on a CPU")),
-    "cuda": ((("fp32", np.float32, False), "twice the bytes of fp16"),),
+    "cuda": ((("bf16", BF16, False), "the bytes of fp16, with fewer bits of mantissa"),
+             (("fp32", np.float32, False), "twice the bytes of fp16")),
 }
 
 
@@ -82,7 +84,7 @@ def _make(entry, groups: Groups) -> WeightFormat:
 
 
 def _allowed(fmt: WeightFormat, dtype, compress: bool | None) -> bool:
-    return (dtype is None or np.dtype(dtype) == np.dtype(fmt.dtype)) and \
+    return (dtype is None or dtypes.same(dtype, fmt.dtype)) and \
         (compress is None or compress == fmt.compress)
 
 

@@ -19,6 +19,7 @@ from flexgen import flex_opt
 from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
+from . import dtypes
 from .base import (FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache,
                    compressed_new, compressed_step, dense, linear, output_logits, pick_next_token)
 from .weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
@@ -104,7 +105,7 @@ def convert_hf_llama(model_path: Path, cache_root: Path, dtype) -> Path:
         for name, tensor in iter_checkpoint_tensors(files):
             if "rotary_emb" in name:
                 continue
-            save_tensor(out, name.removeprefix("model."), tensor.float().numpy().astype(dtype))
+            save_tensor(out, name.removeprefix("model."), dtypes.cast(tensor.float().numpy(), dtype))
 
     return converted_dir(cache_root, f"llama-{model_path.name}", files, dtype, convert)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from . import plan_text
+from . import dtypes, plan_text
 # What the model needs, wherever it goes (footprint.py; its names stay readable here).
 from .footprint import (ACT_TOKENS, DEVICES, Footprint, cache_heads,  # noqa: F401
                         footprint, weight_shapes)
@@ -311,7 +311,7 @@ def _choose(fp: Footprint, res: Resources, heads: int, batch: int, gpu_reserve: 
 
 def in_dtype(spec, dtype):
     """`spec` computing in `dtype` (its config's dtype replaced)."""
-    if np.dtype(spec.config.dtype) == np.dtype(dtype):
+    if dtypes.same(spec.config.dtype, dtype):
         return spec
     return dataclasses.replace(spec, config=dataclasses.replace(spec.config, dtype=dtype))
 

@@ -5,7 +5,7 @@ import inspect
 
 import torch
 
-from . import ModelSpec
+from . import ModelSpec, dtypes
 from .weights import parse_random_path, random_tensor, random_weight_path
 
 
@@ -36,30 +36,39 @@ def our_name(spec: ModelSpec, hf_name: str) -> str:
     return name
 
 
+def reference_dtype(spec: ModelSpec) -> torch.dtype:
+    """What the reference computes in: bf16 for a bf16 runtime (the same dtype), float32
+    otherwise (fp16 weights' values held in float32: transformers' fp16 on a CPU is slow)."""
+    dtype = dtypes.torch_dtype(spec.config.dtype)
+    return dtype if dtype == torch.bfloat16 else torch.float32
+
+
 def load_reference(spec: ModelSpec):
-    """A float32 transformers model holding exactly the weights our runtime holds."""
+    """A transformers model (in reference_dtype) holding exactly the weights our runtime
+    holds."""
     from transformers import AutoModelForCausalLM
 
+    compute = reference_dtype(spec)
     if spec.gguf_file is not None:
         model = AutoModelForCausalLM.from_pretrained(
-            str(spec.gguf_file.parent), gguf_file=spec.gguf_file.name, dtype=torch.float32)
+            str(spec.gguf_file.parent), gguf_file=spec.gguf_file.name, dtype=compute)
     elif spec.checkpoint is not None:
-        model = AutoModelForCausalLM.from_pretrained(str(spec.checkpoint), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(spec.checkpoint), dtype=compute)
     else:
         # Seeded weights: drawn here as the runtime drew them, also when it reads them from
         # the set it made once in the weights cache (its weight_path then names that set).
         marker = parse_random_path(spec.weight_path + "/x") or \
             parse_random_path(random_weight_path(spec.seed) + "/x")
         seed, std, _ = marker
-        model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
-        dtype = torch.float16 if spec.config.dtype.__name__ == "float16" else torch.float32
+        model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=compute)
+        dtype = dtypes.torch_dtype(spec.config.dtype)
         state = {}
         for hf_name, param in model.state_dict().items():
             if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
             # Round through the runtime's dtype, so both hold identical values.
             state[hf_name] = random_tensor(our_name(spec, hf_name), tuple(param.shape), seed,
-                                           std, dtype).float().cpu()
+                                           std, dtype).to(compute).cpu()
         model.load_state_dict(state, strict=False)
         model.tie_weights()
     return model.eval()

@@ -17,7 +17,7 @@ from .. import cpu_threads, progress
 from ..errors import UserError
 from ..paths import offload_dir as default_offload_dir
 from ..store import scratch
-from . import ModelSpec, compat, resolve, weight_sets, weights
+from . import ModelSpec, compat, dtypes, resolve, weight_sets, weights
 from .placement import AUTO, AutoPlacement, Placement, Plan, make_plan  # noqa: F401 - re-exported
 from .quant import Groups
 
@@ -33,7 +33,7 @@ class RuntimeConfig:
     placement: Placement | AutoPlacement = Placement()  # AUTO: chosen from free memory and disk
     offload_dir: str | None = None
     seed: int = 0
-    dtype: object = None          # np.float16 / np.float32; None: the model's default
+    dtype: object = None          # np.float32 / np.float16 / dtypes.BF16; None: the model's default
     overlap: bool = True          # overlap I/O and compute (FlexGen's pipelined loop)
     sep_layer: bool = True
     # FlexGen's group-wise 4-bit weights (dequantised per layer on the compute device just
@@ -128,7 +128,7 @@ def _resolve(cfg: RuntimeConfig, dtype) -> ModelSpec:
 def in_format(cfg: RuntimeConfig, spec: ModelSpec, fmt) -> ModelSpec:
     """`spec` holding its weights in `fmt` (resolved again when it computes in another
     dtype: a conversion's files depend on it)."""
-    if np.dtype(fmt.dtype) != np.dtype(spec.config.dtype):
+    if not dtypes.same(fmt.dtype, spec.config.dtype):
         spec = _resolve(cfg, fmt.dtype)
     return dataclasses.replace(spec, weight_format=fmt)
 

@@ -35,7 +35,7 @@ from .. import progress
 from ..errors import UserError
 from ..paths import weights_dir
 from ..store import scratch
-from . import quant
+from . import dtypes, quant
 from .footprint import weight_names
 from .formats import WeightFormat
 from .weights import PACKED, SCALES, file_identity, fsync_tree, parse_random_path, random_tensor
@@ -70,7 +70,7 @@ def _files(name: str, shape, fmt: WeightFormat) -> list[str]:
 def _file_bytes(shape, fmt: WeightFormat) -> int:
     if fmt.compress and len(shape) >= 2:
         return quant.packed_bytes(shape, fmt.groups.size, fmt.groups.dim)
-    return int(np.prod(shape)) * np.dtype(fmt.dtype).itemsize
+    return int(np.prod(shape)) * dtypes.itemsize(fmt.dtype)
 
 
 def served_as_is(spec, fmt: WeightFormat) -> bool:
@@ -123,13 +123,13 @@ def _values(spec, name: str, shape, source: Path | None, dtype: torch.dtype) -> 
     array = np.load(source / name, mmap_mode="r")
     if tuple(array.shape) != tuple(shape):
         raise UserError(f"{source / name}: shape {array.shape}, the model needs {shape}")
-    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    return dtypes.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
 def _write(out: Path, name: str, shape, values: torch.Tensor, fmt: WeightFormat) -> int:
     """Write one tensor in `fmt`; returns the bytes written."""
     def save(file: str, t: torch.Tensor) -> int:
-        array = t.cpu().numpy()
+        array = dtypes.to_numpy(t.cpu())
         with open(out / file, "wb") as f:
             np.save(f, array)
         return array.nbytes
@@ -186,7 +186,7 @@ def estimate_s(ws: WeightSet, spec) -> tuple[float, str]:
     rates = _rates()
     if rates:
         return ws.params / rates["params_per_s"], "the rate the last set made here measured"
-    dtype = torch.float16 if np.dtype(ws.fmt.dtype) == np.float16 else torch.float32
+    dtype = dtypes.torch_dtype(ws.fmt.dtype)
     name, shape = max(ws.tensors, key=lambda t: int(np.prod(t[1])))
     rows = max(1, min(shape[0], SAMPLE // max(1, int(np.prod(shape[1:])))))
     sample = (rows,) + tuple(shape[1:])
@@ -211,7 +211,7 @@ def make(ws: WeightSet, spec) -> None:
     except OSError as exc:
         raise UserError(f"cannot make weights in {root}: {exc.strerror or exc}") from None
     source = None if spec.random_weights else Path(spec.weight_path)
-    dtype = torch.float16 if np.dtype(ws.fmt.dtype) == np.float16 else torch.float32
+    dtype = dtypes.torch_dtype(ws.fmt.dtype)
     seconds, basis = estimate_s(ws, spec)
     what = "drawing the seeded random" if source is None else "converting the"
     progress.say(f"{what} weights of {spec.name} into {ws.fmt.describe()}, once: "

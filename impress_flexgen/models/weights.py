@@ -24,6 +24,7 @@ import torch
 
 from ..errors import UserError
 from ..store import scratch
+from . import dtypes
 
 log = logging.getLogger("impress_flexgen.models.weights")
 
@@ -118,7 +119,7 @@ def init_weight_list(weight_specs, policy, env):
                 if values is not weight.data:  # drawn elsewhere, or in another dtype
                     weight.data.copy_(values)
             else:  # disk or compressed: through numpy, as FlexGen loads files
-                weight.load_from_np(values.cpu().numpy())
+                weight.load_from_np(dtypes.to_numpy(values.cpu()))
         _loaded(weight)
         ret.append(weight)
     return ret
@@ -175,7 +176,7 @@ def _in_place(shape, dtype, filename, disk, compress: bool, policy):
             return None
         if array.dtype != np.dtype(want_dtype):
             return None
-        t = TorchTensor(tuple(array.shape), np_dtype_to_torch_dtype[np.dtype(want_dtype).type],
+        t = TorchTensor(tuple(array.shape), dtypes.torch_dtype(want_dtype),
                         str(path), disk)
         t.delete_file = False     # the weights cache's, not the model's
         return t
@@ -203,7 +204,7 @@ def _read(weight, filename: str, dtype, compress: bool, on_disk: bool) -> None:
             raise UserError(f"weight file missing: {filename}")
         if on_disk and np.load(filename, mmap_mode="r").dtype != np.dtype(dtype):
             # FlexGen would copy the file as it is: cast it (fp16 files, fp32 compute).
-            weight.load_from_np(np.load(filename).astype(dtype))
+            weight.load_from_np(dtypes.cast(np.load(filename), dtype))
         else:
             weight.load_from_np(np.load(filename, mmap_mode="r"))
 
@@ -345,8 +346,8 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
     an interrupted conversion is never mistaken for a finished one; one whose sources or
     files were damaged or changed afterwards is converted again, in its place.
     """
-    key = _conversion_key(sources, f"{label}:{np.dtype(dtype).name}")
-    final = cache_root / f"{label}-{np.dtype(dtype).name}-{key}"
+    key = _conversion_key(sources, f"{label}:{dtypes.name(dtype)}")
+    final = cache_root / f"{label}-{dtypes.name(dtype)}-{key}"
     if (final / CONVERTED).exists():
         problem = _conversion_problem(final, sources)
         if problem is None:
@@ -367,7 +368,7 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
         convert(tmp)
         digest = content_digest(tmp)      # cached in tmp: the rename keeps the identities
         with open(tmp / CONVERTED, "w") as f:
-            json.dump({"sources": [str(s) for s in sources], "dtype": np.dtype(dtype).name,
+            json.dump({"sources": [str(s) for s in sources], "dtype": dtypes.name(dtype),
                        "source_files": before,
                        "sizes": {e.name: e.stat().st_size for e in _weight_files(tmp)},
                        "digest": digest}, f)
