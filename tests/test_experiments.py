@@ -32,6 +32,31 @@ def test_bench_decode_compares_the_attention_layouts(tmp_path):
     assert [len(v) for v in row["batched_runs"].values()] == [2, 2]
 
 
+def test_bench_decode_by_dtype_writes_one_row_per_format_and_batch(tmp_path):
+    """--dtypes: fp32 (the yardstick), bf16 and 4-bit weights, each alone and in a batch of
+    4, side by side; every row's greedy agreement is with fp32's tokens."""
+    from experiments import bench_decode
+
+    out = tmp_path / "bd.json"
+    assert bench_decode.main(["--model", "llama-tiny", "--dtypes", "bf16,int4", "--quick",
+                              "--tokens", "6", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["batch"]) for r in rows] == [
+        ("fp32", 1), ("fp32", 4), ("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)]
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["agree_fp32"] <= 1 for r in rows)
+    assert rows[0]["agree_fp32"] == 1 and rows[0]["vs_fp32_single"] == 1
+    weights = {r["dtype"]: r["weights_bytes"] for r in rows}
+    assert weights["bf16"] == weights["fp32"] / 2 and weights["int4"] < weights["bf16"] / 2
+
+
+def test_bench_decode_refuses_an_unknown_format():
+    from experiments import bench_decode
+    from impress_flexgen.errors import UserError
+
+    with pytest.raises(UserError, match="int8.*fp32, bf16, fp16, int4"):
+        bench_decode.main(["--model", "llama-tiny", "--dtypes", "fp32,int8"])
+
+
 def test_bench_compute_thread_runs_both_settings(tmp_path):
     """Each round runs one fresh process per setting; the JSON has both and their ratio."""
     from experiments import bench_compute_thread

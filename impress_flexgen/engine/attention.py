@@ -46,6 +46,13 @@ import torch.nn.functional as F
 from .sequence import LayerKV
 
 
+def work_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype attention runs in: fp16 on a CPU in float32 (SDPA has no CPU half kernel
+    worth using), bf16 and fp32 as they are (SDPA's CPU bf16 kernel accumulates in float32,
+    and converting a whole context every step cost more than its products)."""
+    return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+
+
 def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: int,
            device) -> torch.Tensor:
     """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
@@ -74,7 +81,7 @@ def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: in
     allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, device)
     allowed = allowed[None] if shared else \
         allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
-    work = torch.float32 if device.type == "cpu" else q.dtype
+    work = work_dtype(q.dtype, device)
     out = F.scaled_dot_product_attention(
         q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
         enable_gqa=group > 1)

@@ -33,7 +33,7 @@ from ..models.base import dense
 from ..models.runtime import Runtime
 from ..request import RequestStats
 from ..sampling import Sampler
-from .attention import SideBySide, attend, attend_context, plan_rows
+from .attention import SideBySide, attend, attend_context, plan_rows, work_dtype
 from .family import FamilyMath
 from .lane import Lane
 from .prefix_kv import PrefixKV
@@ -84,8 +84,8 @@ class Runner:
         # Decode steps count the KV they move in fp16 bytes (RequestStats).
         self.kv_bytes_per_token_layer = kv_bytes_per_token_layer
         self.group = math.n_head // math.n_kv_head
-        # SDPA on a CPU has no half-precision kernel worth using: decode attends in float32.
-        self.work = torch.float32 if device.type == "cpu" else None
+        # The dtype decode attends in (attention.work_dtype).
+        self.work = work_dtype(dtype, device)
         self.side = SideBySide()
         self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
 

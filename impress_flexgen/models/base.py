@@ -24,6 +24,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def fuse_rows(weights: list, compute) -> None:
+    """Matrices that multiply the same input (q, k, v; gate, up) made one once at load, rows
+    after rows: one product a step instead of several. Only where they live, uncompressed,
+    on the device that computes them (elsewhere each step brings them apart anyway); each
+    keeps its rows as a view of the whole, so placement, bytes and files are unchanged, and
+    the first carries the whole as `.fused`."""
+    plain = (DeviceType.CPU, DeviceType.CUDA)
+    if any(w.device is not compute or w.device.device_type not in plain for w in weights) \
+            or len({w.dtype for w in weights}) != 1:
+        return
+    whole = torch.cat([w.data for w in weights])
+    start = 0
+    for w in weights:
+        w.data = whole[start:start + w.shape[0]]
+        start += w.shape[0]
+    weights[0].fused = whole
+
+
+def fused(weight) -> torch.Tensor | None:
+    """The fused matrix `weight` leads (fuse_rows), or None."""
+    return getattr(weight, "fused", None)
+
+
 def pick_next_token(logits: torch.Tensor, do_sample: bool, temperature: float) -> torch.Tensor:
     """(batch, vocab) logits -> (batch, 1) token ids."""
     if do_sample and temperature >= 1e-5:

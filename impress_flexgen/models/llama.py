@@ -21,7 +21,8 @@ from flexgen.pytorch_backend import TorchTensor
 from ..errors import UserError
 from . import dtypes
 from .base import (FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache,
-                   compressed_new, compressed_step, dense, linear, output_logits, pick_next_token)
+                   compressed_new, compressed_step, dense, fuse_rows, fused, linear,
+                   output_logits, pick_next_token)
 from .weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
 
 
@@ -200,7 +201,9 @@ class LlamaSelfAttention(flex_opt.SelfAttention):
             ((c.hidden_size, q_dim), c.dtype, p + "self_attn.o_proj.weight"),
             ((c.hidden_size,), c.dtype, p + "input_layernorm.weight"),
         ]
-        weight_home.store(flex_opt.init_weight_list(specs, self.policy, self.env))
+        weights = flex_opt.init_weight_list(specs, self.policy, self.env)
+        fuse_rows(weights[:3], self.compute)
+        weight_home.store(weights)
 
     def load_weight(self, weight_home, weight_read_buf, k):
         _store_weights(self, weight_home, weight_read_buf, k)
@@ -260,9 +263,14 @@ def llama_qkv(c: LlamaConfig, weights, x: torch.Tensor, positions: torch.Tensor,
     w_q, w_k, w_v, _, w_ln = weights
     b, s, _ = x.shape
     h = rms_norm(x, w_ln.data, c.rms_norm_eps)
-    q = linear(h, w_q.data).view(b, s, c.n_head, c.head_dim).transpose(1, 2)
-    k = linear(h, w_k.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-    v = linear(h, w_v.data).view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    whole = fused(w_q)
+    if whole is not None:
+        q, k, v = linear(h, whole).split([w.shape[0] for w in (w_q, w_k, w_v)], dim=-1)
+    else:
+        q, k, v = linear(h, w_q.data), linear(h, w_k.data), linear(h, w_v.data)
+    q = q.view(b, s, c.n_head, c.head_dim).transpose(1, 2)
+    k = k.view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+    v = v.view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
     cos, sin = rope or rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -283,7 +291,9 @@ class LlamaMLP(flex_opt.MLP):
             ((c.hidden_size, c.intermediate_size), c.dtype, p + "mlp.down_proj.weight"),
             ((c.hidden_size,), c.dtype, p + "post_attention_layernorm.weight"),
         ]
-        weight_home.store(flex_opt.init_weight_list(specs, self.policy, self.env))
+        weights = flex_opt.init_weight_list(specs, self.policy, self.env)
+        fuse_rows(weights[:2], self.compute)
+        weight_home.store(weights)
 
     def load_weight(self, weight_home, weight_read_buf, k):
         _store_weights(self, weight_home, weight_read_buf, k)
@@ -293,7 +303,12 @@ class LlamaMLP(flex_opt.MLP):
         w_gate, w_up, w_down, w_ln = _weights(weight_read_buf, k, self.policy.num_gpu_batches)
         x = hidden.val.data
         h = rms_norm(x, w_ln.data, self.config.rms_norm_eps)
-        out = linear(F.silu(linear(h, w_gate.data)) * linear(h, w_up.data), w_down.data)
+        whole = fused(w_gate)
+        if whole is not None:
+            gate, up = linear(h, whole).chunk(2, dim=-1)
+        else:
+            gate, up = linear(h, w_gate.data), linear(h, w_up.data)
+        out = linear(F.silu(gate) * up, w_down.data)
         hidden.val = TorchTensor.create_from_torch(out + x, self.compute)
 
 
