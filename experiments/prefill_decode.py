@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from impress_flexgen.entrypoints.args import ArgumentParser, dtype_arg, placement_arg, write_json
+from impress_flexgen.models import dtypes
 from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
@@ -28,7 +29,7 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="timed generations per configuration")
-    p.add_argument("--dtype", choices=("fp16", "fp32"))
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--offload-dir", metavar="DIR")
     p.add_argument("--quick", action="store_true", help="tiny models, 256-token prompts, 8 tokens")
     p.add_argument("--json", metavar="PATH")
@@ -57,7 +58,7 @@ def measure(model: str, placement: Placement, args) -> dict:
     return {
         "model": model,
         "placement": placement.describe(),
-        "dtype": rt.spec.config.dtype.__name__,
+        "dtype": dtypes.name(rt.spec.config.dtype),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,

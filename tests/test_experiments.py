@@ -32,6 +32,7 @@ def test_bench_decode_compares_the_attention_layouts(tmp_path):
     assert [len(v) for v in row["batched_runs"].values()] == [2, 2]
 
 
+@pytest.mark.slow
 def test_bench_decode_by_dtype_writes_one_row_per_format_and_batch(tmp_path):
     """--dtypes: fp32 (the yardstick), bf16 and 4-bit weights, each alone and in a batch of
     4, side by side; every row's greedy agreement is with fp32's tokens."""
