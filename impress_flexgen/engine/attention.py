@@ -47,10 +47,11 @@ from .sequence import LayerKV
 
 
 def work_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype attention runs in: fp16 on a CPU in float32 (SDPA has no CPU half kernel
-    worth using), bf16 and fp32 as they are (SDPA's CPU bf16 kernel accumulates in float32,
-    and converting a whole context every step cost more than its products)."""
-    return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+    """The dtype attention runs in: on a CPU float32 (SDPA has no CPU fp16 kernel worth
+    using, and in bf16 a batch's padded, masked rows round otherwise than each row alone:
+    a batched request's tokens would differ from its tokens alone); elsewhere the compute
+    dtype."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: int,
