@@ -135,6 +135,8 @@ class Service:
                          scheduling=SchedulerConfig(config.max_batch_size,
                                                     config.max_batch_tokens, **pieces))
         self.store, self.engine = stack.store, stack.engine
+        if config.throughput:        # the block schedule: micro-batches of the runtime's
+            self.engine.runner.micro_batch = config.runtime.gpu_batch_size
 
     def describe(self) -> list[str]:
         """Lines for a user: what is served, from where, how."""

@@ -53,6 +53,10 @@ def parse_args(argv):
                    help="real tokens per prefix in the padded workload (512)")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each (smaller on a model "
                         "whose passes are slow: one line says what and why)")
+    w.add_argument("--throughput", action="store_true",
+                   help="the block schedule, for throughput: the measured queries (or "
+                        "--requests) in blocks of --gpu-batch-size x --num-gpu-batches "
+                        "sharing each layer's weight load (8 x 8 unless given)")
     gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",

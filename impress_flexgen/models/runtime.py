@@ -43,7 +43,11 @@ class RuntimeConfig:
     compress_cache: bool = False
     weight_groups: Groups = Groups(64, 0)   # FlexGen's defaults: along a weight's rows,
     cache_groups: Groups = Groups(64, 2)    # along a KV head's channels
+    # FlexGen's block: sequences per micro-batch and micro-batches per block. The serving
+    # engine computes a decode step in micro-batches of gpu_batch_size only under the block
+    # schedule (ServiceConfig.throughput); otherwise a step's batch is computed whole.
     gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
     # Memory the caller will use beside the model (the store's GPU and CPU tiers): the
@@ -97,7 +101,7 @@ def make_policy(cfg: RuntimeConfig):
     if isinstance(p, AutoPlacement):
         raise ValueError("make_policy needs a resolved placement (make_plan chooses one)")
     return Policy(
-        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=1,
+        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=cfg.num_gpu_batches,
         w_gpu_percent=p.w_gpu, w_cpu_percent=p.w_cpu,
         cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
@@ -267,7 +271,7 @@ class Runtime:
 
         from flexgen.timer import timers
 
-        bs = self.policy.gpu_batch_size
+        bs = self.policy.gpu_batch_size * self.policy.num_gpu_batches
         new_ids, logits, prefill, decode = [], [], [], []
         for start in range(0, len(prompts), bs):
             group = prompts[start:start + bs]
