@@ -131,7 +131,7 @@ def ours(job: dict) -> dict:
         # The same decode steps with reads not overlapped: a step's read and its compute,
         # each alone.
         engine.runner.weights.overlap = False
-        alone = _steps(engine, [Request(p, q, 3) for p, q in prompts], micro)
+        alone = _steps(engine, [Request(p, q, 4) for p, q in prompts], micro)
         read_s = float(np.median(alone[2]))
         compute_s = float(np.median(alone[1])) - read_s
         decode_tokens = generated - made
@@ -218,7 +218,7 @@ def accelerate(job: dict) -> dict:
             "mode": job["mode"], "batch": batch, "offloaded": "disk" in placed,
             "prefill_tokens_per_s": ids.numel() / first,
             "decode_tokens_per_s": batch / step_s,
-            "tokens_per_s": batch * job["tokens"] / (first + total),
+            "tokens_per_s": batch * job["tokens"] / total,
             "step_s": step_s, "read_s": None, "compute_s": None,
             "peak_rss_gb": _peak_rss_gb(), "first_start_s": starts[0],
             "next_start_s": starts[1], "bytes_read": None, "page_cache": False,

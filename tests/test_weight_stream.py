@@ -110,3 +110,34 @@ def test_block_schedule_gives_each_requests_own_answer(tiny_runtimes):
         assert b.tokens == a.tokens
         for x, y in zip(a.step_logits, b.step_logits):
             assert float((x - y).abs().max()) < 1e-4
+
+
+def test_throughput_flags_make_the_block():
+    from impress_flexgen.config import ServiceConfig
+    from impress_flexgen.entrypoints.run import parse_args
+
+    assert ServiceConfig(throughput=True).max_batch_size == 64          # 8 x 8 by default
+    args = parse_args(["--model", "opt-tiny", "--throughput", "--gpu-batch-size", "2",
+                       "--num-gpu-batches", "3", "--no-overlap"])
+    config = ServiceConfig.from_args(args)
+    r = config.runtime
+    assert (r.gpu_batch_size, r.num_gpu_batches, r.overlap) == (2, 3, False)
+    assert config.throughput and config.max_batch_size == 6 and config.queue_size >= 6
+    plain = ServiceConfig.from_args(parse_args(["--model", "opt-tiny"]))
+    assert not plain.throughput and plain.max_batch_size == 8 and plain.runtime.overlap
+
+
+def test_metrics_count_the_weights_read_and_waited_for(on_disk):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from impress_flexgen.metrics import _WeightCounters
+
+    engine = _engine(on_disk[True])
+    engine.serve(Request([5, 6, 7], [9], 2))
+    registry = CollectorRegistry()
+    registry.register(_WeightCounters(engine.runner.weights))
+    got = {s.name: s.value for fam in text_string_to_metric_families(
+        generate_latest(registry).decode()) for s in fam.samples}
+    assert got["impress_flexgen_weight_bytes_read_total"] == engine.runner.weights.bytes_read > 0
+    assert got["impress_flexgen_weight_wait_seconds_total"] > 0
