@@ -113,7 +113,7 @@ class Runner:
 
     def _pass_weights(self, p: PrefillPass, j: int, ahead: int | None = None):
         timing = RequestStats()
-        weights = self.load_weights(j, timing, ahead)
+        weights = self.load_weights(j, timing, ahead=ahead)
         for field in ("weights_s", "weight_wait_s", "weight_bytes"):
             p.spent(field, getattr(timing, field))
         return weights
