@@ -51,6 +51,12 @@ def parse_args(argv):
                         "pad tokens to --prefix-tokens positions (the paper's setting)")
     w.add_argument("--real-tokens", type=int_range(1), default=512,
                    help="real tokens per prefix in the padded workload (512)")
+    w.add_argument("--throughput", action="store_true",
+                   help="throughput work: with --placement auto, a policy search chooses the "
+                        "placement, FlexGen's batch sizes and compression for the most tokens/s "
+                        "from rates measured at start-up (printed with its prediction, and "
+                        "the prediction's error after the run); --prompt's prompts are "
+                        "generated together in blocks")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each (smaller on a model "
                         "whose passes are slow: one line says what and why)")
     gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
@@ -116,6 +122,17 @@ def parse_args(argv):
     return args
 
 
+def _throughput_work(args) -> tuple[int, int, int | None]:
+    """(prompt tokens, new tokens, most sequences in a block) the policy search weighs."""
+    if args.prompt_token_ids is not None:
+        return (max(len(p) for p in args.prompt_token_ids), args.max_new_tokens,
+                len(args.prompt_token_ids))
+    if args.requests is not None:
+        return args.prefix_tokens, args.request_max_tokens or defaults.MAX_TOKENS, None
+    return args.prefix_tokens + args.query_tokens, args.max_new_tokens, \
+        args.prefixes * args.queries
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -135,11 +152,6 @@ def main(argv=None) -> int:
     cfg = config.runtime_config()
     # Everything that can be refused is refused before the model is built.
     spec = resolve_spec(cfg)
-    if args.dry_run:
-        from ..models.runtime import dry_run
-
-        print(dry_run(cfg, spec))
-        return 0
     tokenizer = requests = results = None
     if args.prompt or args.requests:
         from ..models.runtime import load_tokenizer
@@ -147,6 +159,17 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(spec)
     if args.prompt:
         args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
+    args.policy_search = None
+    if args.throughput:
+        from .throughput import searched_config
+
+        cfg, args.policy_search = searched_config(cfg, *_throughput_work(args))
+        spec = resolve_spec(cfg) if args.policy_search is not None else spec
+    if args.dry_run:
+        from ..models.runtime import dry_run
+
+        print(dry_run(cfg, spec))
+        return 0
     store_root = None
     if args.requests is not None:
         requests, results, todo = open_request_file(args, spec, tokenizer)

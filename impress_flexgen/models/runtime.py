@@ -44,6 +44,9 @@ class RuntimeConfig:
     weight_groups: Groups = Groups(64, 0)   # FlexGen's defaults: along a weight's rows,
     cache_groups: Groups = Groups(64, 2)    # along a KV head's channels
     gpu_batch_size: int = 1
+    num_gpu_batches: int = 1      # FlexGen's block: micro-batches sharing each weight load
+    searched: str = ""            # the policy search's choice and prediction (the plan line)
+    work_tokens: int | None = None  # throughput work's prompt + new tokens: memory sized by it
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
     # Memory the caller will use beside the model (the store's GPU and CPU tiers): the
@@ -97,7 +100,7 @@ def make_policy(cfg: RuntimeConfig):
     if isinstance(p, AutoPlacement):
         raise ValueError("make_policy needs a resolved placement (make_plan chooses one)")
     return Policy(
-        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=1,
+        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=cfg.num_gpu_batches,
         w_gpu_percent=p.w_gpu, w_cpu_percent=p.w_cpu,
         cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
@@ -200,7 +203,7 @@ class Runtime:
         spec = spec if spec is not None else resolve_spec(cfg, False)
         # Planned (and refused if it cannot fit) before anything is allocated or written.
         self.plan: Plan = make_plan(spec, cfg)
-        if self.plan.auto or self.plan.weights_write:
+        if self.plan.auto or self.plan.weights_write or self.plan.searched:
             print(self.plan.describe(), flush=True)
         fmt = self.plan.format
         self.spec: ModelSpec = in_format(cfg, spec, fmt)
@@ -267,7 +270,7 @@ class Runtime:
 
         from flexgen.timer import timers
 
-        bs = self.policy.gpu_batch_size
+        bs = self.policy.gpu_batch_size * self.policy.num_gpu_batches   # FlexGen's block
         new_ids, logits, prefill, decode = [], [], [], []
         for start in range(0, len(prompts), bs):
             group = prompts[start:start + bs]

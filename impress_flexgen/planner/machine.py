@@ -1,0 +1,247 @@
+"""This machine's rates for the policy search's cost model, measured in about a second and
+cached beside RATES.json in the weights cache.
+
+    machine = measure_machine(cuda=torch.cuda.is_available())
+
+Reused from the planner's estimate (estimate.measure_rates): the compute dtype's product
+rate, the bytes a one-row product streams, 4-bit unpacking. Measured here, each the best
+of a few short runs: the time per weight element of products of 1, 4, 16 and 64 rows (a
+decode block's products are neither one row nor a prefill's many); reading FlexGen's disk
+files the way its copy threads do (a memory map of an .npy file copied into a new tensor:
+a fixed cost per file and a rate, from a small and a large file, so what is measured is
+what FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU"
+without CUDA); with CUDA the CPU-GPU link; how much a copy slows a product running beside
+it (`contention`: 0 for perfect overlap, 1 for none); and one FlexGen layer's fixed cost,
+from decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches,
+what a small model's decode mostly is).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import paths
+from .costs import machine_key
+from .estimate import Rates, measure_rates
+
+CACHE_FILE = "MACHINE.json"
+CACHE_VERSION = 1
+ROWS = (1, 4, 16, 64)
+_SIDE = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Rates the cost model predicts from (seconds and bytes)."""
+
+    cuda: bool
+    flops_per_s: float                  # a prefill's products (multiply-adds x 2)
+    bytes_per_s: float                  # weight bytes a one-row product streams
+    unpack_per_s: float                 # 4-bit values unpacked into the compute dtype
+    row_seconds: tuple[float, ...]      # per weight element, products of ROWS rows
+    disk_bytes_per_s: float             # FlexGen's disk reads (memory-mapped file copies)
+    disk_file_s: float                  # and the fixed cost of each file
+    link_bytes_per_s: float             # CPU -> compute device (a memory copy without CUDA)
+    layer_s: tuple[float, float]        # one FlexGen layer's fixed cost at batch 1 and 8
+    contention: float = 0.0             # the share of the shorter of read and compute lost
+
+    def element_seconds(self, rows: int) -> float:
+        """Seconds per weight element of a product of `rows` rows: interpolated between
+        the measured row counts, past the last at the prefill's product rate."""
+        xs = np.array(ROWS, dtype=float)
+        ys = np.array(self.row_seconds)
+        if rows <= ROWS[-1]:
+            return float(np.interp(rows, xs, ys))
+        return float(ys[-1]) + 2.0 * (rows - ROWS[-1]) / self.flops_per_s
+
+    def layer_seconds(self, batch: int) -> float:
+        """A layer's fixed cost for a micro-batch of `batch` sequences (linear in it)."""
+        one, eight = self.layer_s
+        return max(one + (eight - one) * (batch - 1) / 7, 0.0)
+
+    def scaled(self, **rates: float) -> "Machine":
+        """This machine with some rates replaced (what the search would do elsewhere)."""
+        return dataclasses.replace(self, **rates)
+
+
+def _best(fn, repeats: int = 3, sync=lambda: None) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(_SIDE, 2 * _SIDE, generator=gen).to(device, dtype)
+    out = []
+    for rows in ROWS:
+        x = torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype)
+        out.append(_best(lambda: torch.nn.functional.linear(x, w), sync=sync) / w.numel())
+    return tuple(out)
+
+
+def _disk(root) -> tuple[float, float]:
+    """(bytes/s, seconds per file) of FlexGen's disk reads, from a 256 KiB and a 32 MiB
+    .npy file read through a memory map into a new tensor."""
+    where = root / f"machine-{os.getpid()}"
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        times = []
+        for nbytes in (256 << 10, 32 << 20):
+            path = where / f"{nbytes}.npy"
+            np.save(path, np.ones(nbytes // 4, dtype=np.float32))
+
+            def read():
+                src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
+                torch.empty(src.shape, dtype=src.dtype).copy_(src)
+            times.append((nbytes, _best(read, 3)))
+        (n0, t0), (n1, t1) = times
+        rate = (n1 - n0) / max(t1 - t0, 1e-9)
+        return rate, max(t0 - n0 / rate, 1e-6)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _link(cuda: bool) -> float:
+    n = 32 << 20
+    src = torch.ones(n // 4)
+    if cuda:
+        src = src.pin_memory()
+        dst = torch.empty(n // 4, device="cuda")
+        return n / _best(lambda: dst.copy_(src, non_blocking=True), sync=torch.cuda.synchronize)
+    return n / _best(lambda: torch.empty(n // 4).copy_(src))
+
+
+def _contention(cuda: bool) -> float:
+    """How much of the shorter of a copy and a product is lost when they run together
+    (0: none, the step is their max; 1: their sum). A GPU's copies take no cores."""
+    if cuda:
+        return 0.0
+    w = torch.randn(_SIDE, 2 * _SIDE)
+    x = torch.randn(4, 2 * _SIDE)
+    src = torch.ones(16 << 20)
+
+    def product():
+        for _ in range(8):
+            torch.nn.functional.linear(x, w)
+
+    def copy():
+        torch.set_num_threads(1)    # as FlexGen's copy threads (cpu_threads.helper_thread)
+        for _ in range(8):
+            torch.empty_like(src).copy_(src)
+
+    def both():
+        t = threading.Thread(target=copy)
+        t.start()
+        product()
+        t.join()
+    threads = torch.get_num_threads()
+    alone_p = _best(product)
+    alone_c = _best(lambda: _on_thread(copy))
+    together = _best(both)
+    torch.set_num_threads(threads)
+    lost = (together - max(alone_p, alone_c)) / max(min(alone_p, alone_c), 1e-9)
+    return float(min(max(lost, 0.0), 1.0))
+
+
+def _on_thread(fn):
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def _layer_s() -> tuple[float, float]:
+    """One FlexGen layer's fixed cost at batch 1 and 8: opt-tiny's decode step over its
+    six layers (its products are a few thousand elements)."""
+    from ..models.placement import Placement
+    from ..models.runtime import Runtime, RuntimeConfig
+
+    out = []
+    for batch in (1, 8):
+        cfg = RuntimeConfig(model="opt-tiny", placement=Placement(), gpu_batch_size=batch,
+                            max_ram_bytes=1 << 30)
+        with Runtime(cfg) as rt:
+            prompts = [[5 + i + j for j in range(16)] for i in range(batch)]
+            gens = [rt.generate(prompts, max_new_tokens=6) for _ in range(2)]
+            layers = len(rt.model.layers)
+        out.append(min(g.decode_s_per_token for g in gens) / layers)
+    return out[0], out[1]
+
+
+def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rates = measure_rates(dtype) if not cuda else _cuda_rates(dtype)
+    disk_rate, disk_file = _disk(paths.offload_dir())
+    return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
+                   _row_seconds(device, dtype, sync),
+                   disk_rate, disk_file, _link(cuda), _layer_s(), _contention(cuda))
+
+
+def _cuda_rates(dtype) -> Rates:
+    from ..models import quant
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 4096, generator=gen).to("cuda", dtype)
+    x = torch.randn(64, 4096, generator=gen).to("cuda", dtype)
+    sync = torch.cuda.synchronize
+    flops = 2 * 64 * w.numel() / _best(lambda: torch.nn.functional.linear(x, w), sync=sync)
+    streamed = w.numel() * w.element_size() / _best(
+        lambda: torch.nn.functional.linear(x[:1], w), sync=sync)
+    data, scale = quant.compress(w.float(), 64, 0)
+    unpack = w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+                               sync=sync)
+    return Rates(flops, streamed, unpack)
+
+
+def measure_machine(cuda: bool | None = None, dtype: torch.dtype | None = None,
+                    use_cache: bool = True) -> Machine:
+    """This machine's rates: the cached ones when an earlier start measured them for the
+    same machine, torch and dtype; else measured now (about a second) and cached."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dtype = dtype or (torch.float16 if cuda else torch.float32)
+    key = machine_key("policy-search", "cuda" if cuda else "cpu", dtype)
+    path = paths.weights_dir() / CACHE_FILE
+    if use_cache:
+        try:
+            doc = json.loads(path.read_text())
+            entry = doc.get(key) if doc.get("version") == CACHE_VERSION else None
+            if entry is not None:
+                entry = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
+                return Machine(**entry)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    machine = _measure(cuda, dtype)
+    _write(path, key, machine)
+    return machine
+
+
+def _write(path, key: str, machine: Machine) -> None:
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != CACHE_VERSION:
+            doc = {}
+    except (OSError, ValueError, AttributeError):
+        doc = {}
+    doc["version"] = CACHE_VERSION
+    doc[key] = dataclasses.asdict(machine)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{CACHE_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+    except OSError:
+        pass
