@@ -4,13 +4,13 @@
 
 Each row runs one policy through FlexGen's own overlapped loop (Runtime.generate: a block
 of gpu_batch_size x num_gpu_batches prompts of --prompt-tokens, --new-tokens each) and
-compares its decode tokens/s (the block over a decode step's mean time, the best of two
-generations) with planner/policy_search.predict from this machine's rates, measured at the
-start of the run (--cached: the rates an earlier start cached). Rows: opt-125m (random
-weights) in memory, with its weights on disk (batch 1 and a block of 32), its KV cache on
-disk, 4-bit weights, and the policy the search chooses under a RAM cap that keeps fp32
-weights off memory (--max-ram-gb); smollm2-135m in memory. Without --quick also opt-1.3b
-with its weights on disk. Error is measured / predicted - 1.
+compares its decode tokens/s (the block over its fastest decode step in three generations)
+with planner/policy_search.predict from this machine's rates, measured twice at the start,
+the faster of each kept (--cached: the rates an earlier start cached). Rows: opt-125m
+(random weights) in memory, with its weights on disk (batch 1 and a block of 32), half on
+disk, its KV cache on disk, 4-bit weights, and the policy the search chooses for fp32 under
+a RAM cap (--max-ram-gb); smollm2-135m in memory. Without --quick also opt-1.3b with its
+weights on disk. Error is measured / predicted - 1.
 """
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ from impress_flexgen.entrypoints.process import run_main
 
 GiB = 1 << 30
 RSS_LIMIT = 8 * GiB
+ROUNDS = 3      # generations per row; its fastest decode step is what is compared
+
+
+def best_of(a, b):
+    """The faster of two measurements of each rate (each is a best of a few runs already:
+    other work on a shared machine only ever slows one down)."""
+    import dataclasses
+
+    faster = {}
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name.endswith("per_s"):
+            faster[f.name] = max(x, y)
+        elif isinstance(x, tuple):
+            faster[f.name] = tuple(min(u, v) for u, v in zip(x, y))
+        elif isinstance(x, float):
+            faster[f.name] = min(x, y)
+    return dataclasses.replace(a, **faster)
 
 
 def rows_for(quick: bool):
@@ -48,12 +66,19 @@ def rows_for(quick: bool):
 
 
 def measure(cfg, spec, block: int, prompt_tokens: int, new_tokens: int) -> tuple[float, int]:
-    """(decode tokens/s of the block, the best of two generations; peak RSS so far)."""
+    """(decode tokens/s of the block: its fastest decode step over two generations, as the
+    machine's rates are each the best of a few runs, on a machine shared with other work;
+    peak RSS so far)."""
+    from flexgen.timer import timers
+
     from impress_flexgen.models.runtime import Runtime
 
     prompts = [[5 + (7 * i + j) % 1000 for j in range(prompt_tokens)] for i in range(block)]
+    steps = []
     with Runtime(cfg, spec=spec) as rt:
-        steps = [rt.generate(prompts, new_tokens).decode_s_per_token for _ in range(2)]
+        for _ in range(ROUNDS):
+            rt.generate(prompts, new_tokens)
+            steps += timers("generate").costs[1:]    # [0] is the prefill
     rss = psutil.Process().memory_info().rss
     if rss > RSS_LIMIT:
         raise RuntimeError(f"RSS {rss / GiB:.1f} GiB is past {RSS_LIMIT / GiB:.0f} GiB")
@@ -96,7 +121,9 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     machine = measure_machine(False, use_cache=args.cached)
-    print(f"machine rates ({'cached' if args.cached else 'measured'} in "
+    if not args.cached:     # measured again, the best of the two: the machine is shared
+        machine = best_of(machine, measure_machine(False, use_cache=False))
+    print(f"machine rates ({'cached' if args.cached else 'measured twice'} in "
           f"{time.perf_counter() - t0:.1f} s): {machine}", flush=True)
     workload = Workload(args.prompt_tokens, args.new_tokens)
     out = []

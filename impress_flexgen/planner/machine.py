@@ -71,7 +71,7 @@ class Machine:
         return dataclasses.replace(self, **rates)
 
 
-def _best(fn, repeats: int = 3, sync=lambda: None) -> float:
+def _best(fn, repeats: int = 5, sync=lambda: None) -> float:
     fn()
     sync()
     best = float("inf")
@@ -107,7 +107,7 @@ def _disk(root) -> tuple[float, float]:
             def read():
                 src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
                 torch.empty(src.shape, dtype=src.dtype).copy_(src)
-            times.append((nbytes, _best(read, 3)))
+            times.append((nbytes, _best(read)))
         (n0, t0), (n1, t1) = times
         rate = (n1 - n0) / max(t1 - t0, 1e-9)
         return rate, max(t0 - n0 / rate, 1e-6)
@@ -164,21 +164,27 @@ def _on_thread(fn):
 
 
 def _layer_s() -> tuple[float, float]:
-    """One FlexGen layer's fixed cost at batch 1 and 8: opt-tiny's decode step over its
-    six layers (its products are a few thousand elements)."""
+    """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of opt-tiny
+    over its six layers (its products are a few thousand elements), the two batches taking
+    turns so that other work on the machine weighs on both alike."""
+    from contextlib import ExitStack
+
+    from flexgen.timer import timers
+
     from ..models.placement import Placement
     from ..models.runtime import Runtime, RuntimeConfig
 
-    out = []
-    for batch in (1, 8):
-        cfg = RuntimeConfig(model="opt-tiny", placement=Placement(), gpu_batch_size=batch,
-                            max_ram_bytes=1 << 30)
-        with Runtime(cfg) as rt:
-            prompts = [[5 + i + j for j in range(16)] for i in range(batch)]
-            gens = [rt.generate(prompts, max_new_tokens=6) for _ in range(2)]
-            layers = len(rt.model.layers)
-        out.append(min(g.decode_s_per_token for g in gens) / layers)
-    return out[0], out[1]
+    with ExitStack() as stack:
+        runtimes = {b: stack.enter_context(Runtime(RuntimeConfig(
+            model="opt-tiny", placement=Placement(), gpu_batch_size=b, work_tokens=32,
+            max_ram_bytes=1 << 30))) for b in (1, 8)}
+        steps: dict[int, list[float]] = {1: [], 8: []}
+        for _ in range(3):
+            for b, rt in runtimes.items():
+                rt.generate([[5 + i + j for j in range(16)] for i in range(b)], 8)
+                steps[b] += timers("generate").costs[1:]      # the decode steps
+        layers = len(runtimes[1].model.layers)
+    return min(steps[1]) / layers, min(steps[8]) / layers
 
 
 def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
