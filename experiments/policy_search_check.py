@@ -4,7 +4,7 @@
 
 Each row runs one policy through FlexGen's own overlapped loop (Runtime.generate: a block
 of gpu_batch_size x num_gpu_batches prompts of --prompt-tokens, --new-tokens each) and
-compares its decode tokens/s (the block over its fastest decode step in three generations)
+compares its decode tokens/s (the block over its fastest decode step in four generations)
 with planner/policy_search.predict from this machine's rates, measured twice at the start,
 the faster of each kept (--cached: the rates an earlier start cached). Rows: opt-125m
 (random weights) in memory, with its weights on disk (batch 1 and a block of 32), half on
@@ -25,7 +25,7 @@ from impress_flexgen.entrypoints.process import run_main
 
 GiB = 1 << 30
 RSS_LIMIT = 8 * GiB
-ROUNDS = 3      # generations per row; its fastest decode step is what is compared
+ROUNDS = 4      # generations per row; its fastest decode step is what is compared
 
 
 def best_of(a, b):

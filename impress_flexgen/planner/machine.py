@@ -7,9 +7,9 @@ Reused from the planner's estimate (estimate.measure_rates): the compute dtype's
 rate, the bytes a one-row product streams, 4-bit unpacking. Measured here, each the best
 of a few short runs: the time per weight element of products of 1, 4, 16 and 64 rows (a
 decode block's products are neither one row nor a prefill's many); reading FlexGen's disk
-files the way its copy threads do (a memory map of an .npy file copied into a new tensor:
-a fixed cost per file and a rate, from a small and a large file, so what is measured is
-what FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU"
+files the way its copy threads do (memory maps of .npy files copied into new tensors by four
+threads at once: a fixed cost per file and a rate, from small and large files, so what is
+measured is what FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU"
 without CUDA); with CUDA the CPU-GPU link; how much a copy slows a product running beside
 it (`contention`: 0 for perfect overlap, 1 for none); and one FlexGen layer's fixed cost,
 from decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches,
@@ -93,24 +93,36 @@ def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     return tuple(out)
 
 
+COPY_THREADS = 4     # FlexGen's TorchDisk copy threads, reading files side by side
+FILES = 8
+
+
 def _disk(root) -> tuple[float, float]:
-    """(bytes/s, seconds per file) of FlexGen's disk reads, from a 256 KiB and a 32 MiB
-    .npy file read through a memory map into a new tensor."""
+    """(bytes/s, seconds per file) of FlexGen's disk reads: FILES .npy files of 256 KiB,
+    then of 8 MiB, each read through a memory map into a new tensor by COPY_THREADS threads
+    at once, as FlexGen's copy threads do."""
+    from concurrent.futures import ThreadPoolExecutor
+
     where = root / f"machine-{os.getpid()}"
     where.mkdir(parents=True, exist_ok=True)
+
+    def read(path):
+        torch.set_num_threads(1)
+        src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
+        torch.empty(src.shape, dtype=src.dtype).copy_(src)
+
     try:
         times = []
-        for nbytes in (256 << 10, 32 << 20):
-            path = where / f"{nbytes}.npy"
-            np.save(path, np.ones(nbytes // 4, dtype=np.float32))
-
-            def read():
-                src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
-                torch.empty(src.shape, dtype=src.dtype).copy_(src)
-            times.append((nbytes, _best(read)))
-        (n0, t0), (n1, t1) = times
+        with ThreadPoolExecutor(COPY_THREADS) as pool:
+            for nbytes in (256 << 10, 8 << 20):
+                paths = [where / f"{nbytes}-{i}.npy" for i in range(FILES)]
+                for path in paths:
+                    np.save(path, np.ones(nbytes // 4, dtype=np.float32))
+                times.append((FILES * nbytes, FILES,
+                              _best(lambda: list(pool.map(read, paths)))))
+        (n0, f0, t0), (n1, _, t1) = times
         rate = (n1 - n0) / max(t1 - t0, 1e-9)
-        return rate, max(t0 - n0 / rate, 1e-6)
+        return rate, max((t0 - n0 / rate) / f0, 1e-6)
     finally:
         shutil.rmtree(where, ignore_errors=True)
 

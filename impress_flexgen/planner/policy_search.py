@@ -27,6 +27,7 @@ batch sizes in powers of two and 4-bit cache, keeps those whose bytes fit every 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -139,11 +140,16 @@ def _value_bytes(elements: float, itemsize: int, compressed: bool) -> float:
     return elements * (0.5 + 4 / 64) if compressed else elements * itemsize
 
 
+@functools.lru_cache(maxsize=4096)
+def _homes(elements: tuple[int, ...], w_gpu: float, w_cpu: float) -> tuple[str, ...]:
+    return tuple(layer_homes(list(elements), w_gpu, w_cpu))
+
+
 def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine) -> float:
     """Seconds to bring one layer's weights to the compute device."""
     seconds = 0.0
     for elements, matrix, home in zip(layer.elements, layer.matrix,
-                                      layer_homes(list(layer.elements), p.w_gpu, p.w_cpu)):
+                                      _homes(layer.elements, p.w_gpu, p.w_cpu)):
         packed = p.compress_weight and matrix
         nbytes = _value_bytes(elements, shape.itemsize, packed)
         if home == "disk":
@@ -252,12 +258,12 @@ def _weight_options(cuda: bool):
                 yield g, c
 
 
-def _needs(fp, heads: int, p: Policy, limits, reserve: tuple[int, int]) -> dict:
-    """Bytes per device of `p` (`fp`: the footprint of its format, block and workload) by
-    the accounting --placement uses (placement.needs: a cache and working memory for the
-    whole block), counting what a first start adds: weights drawn in memory, and written to
-    the weights cache."""
-    weights, staged = fp.weights_on(p.w_gpu, p.w_cpu)
+def _needs(fp, placed, heads: int, p: Policy, limits, reserve: tuple[int, int]) -> dict:
+    """Bytes per device of `p` (`fp`: the footprint of its format, block and workload;
+    `placed`: fp.weights_on for its weights) by the accounting --placement uses
+    (placement.needs: a cache and working memory for the whole block), counting what a
+    first start adds: weights drawn in memory, and written to the weights cache."""
+    weights, staged = placed
     cache = fp.cache_on(p.cache_gpu, p.cache_cpu, heads, p.block)
     return needs(fp, limits, weights, staged, cache, reserve[0], reserve[1], False,
                  fp.weight_bytes)
@@ -277,16 +283,21 @@ def search(shape: Shape, machine: Machine, limits, workload: Workload = Workload
     caches = (False, True) if compress_cache is None else (compress_cache,)
     blocks = [(b, k) for b in BATCH_SIZES for k in GPU_BATCHES
               if max_block is None or b * k <= max(max_block, 1)]
-    best, weighed = None, 0
+    best, weighed, footprints, placed = None, 0, {}, {}
     for fmt, cq, (b, k) in itertools.product(formats, caches, blocks):
         spec = in_dtype(shape.spec, fmt.dtype)
         fmt_shape = dataclasses.replace(shape, itemsize=np.dtype(fmt.dtype).itemsize)
-        fp = footprint(spec, b * k, fmt.groups, CACHE_GROUPS if cq else None,
-                       workload.prompt_len + workload.gen_len)
+        if (fmt, cq, b * k) not in footprints:
+            footprints[fmt, cq, b * k] = footprint(spec, b * k, fmt.groups,
+                                                   CACHE_GROUPS if cq else None,
+                                                   workload.prompt_len + workload.gen_len)
+        fp = footprints[fmt, cq, b * k]
         for (wg, wc), (cg, cc) in itertools.product(_weight_options(limits.cuda),
                                                     _cache_options(limits.cuda)):
             p = Policy(wg, wc, cg, cc, b, k, fmt.compress, cq)
-            need = _needs(fp, cache_heads(spec), p, limits, reserve)
+            if (fmt, wg, wc) not in placed:     # the weights' bytes: the same for any block
+                placed[fmt, wg, wc] = fp.weights_on(wg, wc)
+            need = _needs(fp, placed[fmt, wg, wc], cache_heads(spec), p, limits, reserve)
             if fits(need, limits) is not None:
                 continue
             weighed += 1
