@@ -6,7 +6,9 @@ Each row runs one policy through FlexGen's own overlapped loop (Runtime.generate
 of gpu_batch_size x num_gpu_batches prompts of --prompt-tokens, --new-tokens each) and
 compares its decode tokens/s (the block over its fastest decode step in four generations)
 with planner/policy_search.predict from this machine's rates, measured twice at the start,
-the faster of each kept (--cached: the rates an earlier start cached). Rows: opt-125m
+the faster of each kept (--cached: the rates an earlier start cached), on the share of a
+core a busy thread got just before and after the row (machine.cpu_share: the machine is
+shared with other work; the prediction for an idle machine is in the JSON too). Rows: opt-125m
 (random weights) in memory, with its weights on disk (batch 1 and a block of 32), half on
 disk, its KV cache on disk, 4-bit weights, and the policy the search chooses for fp32 under
 a RAM cap (--max-ram-gb); smollm2-135m in memory. Without --quick also opt-1.3b with its
@@ -115,7 +117,10 @@ def main(argv=None) -> int:
                         "not all fit)")
     args = p.parse_args(argv)
 
+    import dataclasses
+
     from impress_flexgen.models.runtime import RuntimeConfig, resolve_spec
+    from impress_flexgen.planner.machine import cpu_share
     from impress_flexgen.planner.policy_search import (Workload, error, measure_machine,
                                                        model_shape, predict)
 
@@ -139,21 +144,26 @@ def main(argv=None) -> int:
                             compress_cache=policy.compress_cache,
                             work_tokens=args.prompt_tokens + args.new_tokens)
         spec = resolve_spec(cfg)
-        predicted = predict(model_shape(spec), policy, machine, workload)
+        before = cpu_share()
         measured, rss = measure(cfg, spec, policy.block, args.prompt_tokens, args.new_tokens)
+        share = (before + cpu_share()) / 2     # the machine's load while the row ran
+        alone = predict(model_shape(spec), policy, dataclasses.replace(machine, share=1.0),
+                        workload)
+        predicted = predict(model_shape(spec), policy,
+                            dataclasses.replace(machine, share=share), workload)
         err = error(predicted.decode_tokens_per_s, measured)
         row = {"model": model, "row": label, "policy": policy.describe(),
                "predicted_decode_tokens_per_s": predicted.decode_tokens_per_s,
-               "measured_decode_tokens_per_s": measured, "error": err,
+               "measured_decode_tokens_per_s": measured, "error": err, "cpu_share": share,
+               "predicted_on_an_idle_machine": alone.decode_tokens_per_s,
                "predicted_read_s": predicted.read_s, "predicted_compute_s": predicted.compute_s,
                "peak_rss_bytes": rss}
         out.append(row)
         print(f"{model:13s} {label:34s} {policy.describe():72s} predicted "
               f"{predicted.decode_tokens_per_s:7.1f} measured {measured:7.1f} tokens/s "
-              f"error {err:+.0%}", flush=True)
+              f"error {err:+.0%} (share of a core {share:.2f})", flush=True)
     worst = max(abs(r["error"]) for r in out)
     print(f"worst error {worst:.0%} over {len(out)} rows")
-    import dataclasses
 
     write_json(args.json, {"machine": dataclasses.asdict(machine), "rows": out,
                            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

@@ -91,9 +91,9 @@ def test_search_takes_a_larger_block_when_weights_are_read_from_disk(opt125):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_predict_is_monotone_in_every_bandwidth(opt125, policy, overlap):
     for field in ("disk_bytes_per_s", "link_bytes_per_s", "bytes_per_s", "flops_per_s",
-                  "unpack_per_s"):
+                  "unpack_per_s", "share"):
         last = 0.0
-        for rate in (1e8, 1e9, 1e10, 1e11):
+        for rate in ((0.1, 0.3, 0.6, 1.0) if field == "share" else (1e8, 1e9, 1e10, 1e11)):
             m = MACHINE.scaled(**{field: rate})
             pr = ps.predict(opt125, policy, m, WORK, overlap=overlap)
             assert pr.decode_tokens_per_s >= last * (1 - 1e-12), (field, rate)
@@ -117,6 +117,7 @@ def test_disk_reads_are_counted_per_file_and_per_byte(opt125):
 def test_machine_rates_are_cached_for_the_next_start(monkeypatch):
     calls = []
     monkeypatch.setattr(machine_mod, "_measure", lambda cuda, dtype: calls.append(1) or MACHINE)
+    monkeypatch.setattr(machine_mod, "cpu_share", lambda: 1.0)
     assert machine_mod.measure_machine(False) == MACHINE
     assert machine_mod.measure_machine(False) == MACHINE
     assert len(calls) == 1

@@ -51,14 +51,12 @@ def parse_args(argv):
                         "pad tokens to --prefix-tokens positions (the paper's setting)")
     w.add_argument("--real-tokens", type=int_range(1), default=512,
                    help="real tokens per prefix in the padded workload (512)")
-    w.add_argument("--throughput", action="store_true",
-                   help="throughput work: with --placement auto, a policy search chooses the "
-                        "placement, FlexGen's batch sizes and compression for the most tokens/s "
-                        "from rates measured at start-up (printed with its prediction, and "
-                        "the prediction's error after the run); --prompt's prompts are "
-                        "generated together in blocks")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each (smaller on a model "
                         "whose passes are slow: one line says what and why)")
+    w.add_argument("--throughput", action="store_true",
+                   help="the block schedule, for throughput: the measured queries (or "
+                        "--requests) in blocks of --gpu-batch-size x --num-gpu-batches "
+                        "sharing each layer's weight load (8 x 8 unless given)")
     gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",

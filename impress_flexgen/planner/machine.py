@@ -51,6 +51,7 @@ class Machine:
     link_bytes_per_s: float             # CPU -> compute device (a memory copy without CUDA)
     layer_s: tuple[float, float]        # one FlexGen layer's fixed cost at batch 1 and 8
     contention: float = 0.0             # the share of the shorter of read and compute lost
+    share: float = 1.0                  # of a core, what a busy thread gets now (other work)
 
     def element_seconds(self, rows: int) -> float:
         """Seconds per weight element of a product of `rows` rows: interpolated between
@@ -225,10 +226,26 @@ def _cuda_rates(dtype) -> Rates:
     return Rates(flops, streamed, unpack)
 
 
+def cpu_share(seconds: float = 0.25) -> float:
+    """The share of a core a busy thread gets now: its CPU time over the wall time of a
+    spin. Each rate above is the best of a few runs short enough to fit between other
+    programs' turns; a decode step is not, and on a shared machine takes 1 / share times
+    as long."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        sum(range(1000))
+    return min(max((time.thread_time() - c0) / (time.perf_counter() - t0), 0.05), 1.0)
+
+
 def measure_machine(cuda: bool | None = None, dtype: torch.dtype | None = None,
                     use_cache: bool = True) -> Machine:
     """This machine's rates: the cached ones when an earlier start measured them for the
-    same machine, torch and dtype; else measured now (about a second) and cached."""
+    same machine, torch and dtype; else measured now (about a second) and cached. The
+    share of a core (cpu_share) is measured at every call: it is the machine's load now."""
+    return dataclasses.replace(_rates(cuda, dtype, use_cache), share=cpu_share())
+
+
+def _rates(cuda: bool | None, dtype: torch.dtype | None, use_cache: bool) -> Machine:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     dtype = dtype or (torch.float16 if cuda else torch.float32)
     key = machine_key("policy-search", "cuda" if cuda else "cpu", dtype)

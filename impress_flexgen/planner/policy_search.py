@@ -19,7 +19,8 @@ sequences share one load of the layer's weights (FlexGen's block schedule). Per 
 
 With overlap (FlexGen's pipelined loop) the next layer is read while this one computes:
 max(read, compute), plus the share the two lose to each other where the reading takes the
-same cores (a CPU without CUDA: `contention`, measured); in sync, read + compute. The
+same cores (a CPU without CUDA: `contention`, measured); in sync, read + compute. Every
+second is stretched by the share of a core a thread gets now (`share`: other programs). The
 search weighs every weight format, weight percentages in steps, where the KV cache goes,
 batch sizes in powers of two and 4-bit cache, keeps those whose bytes fit every device
 (placement.needs, the accounting --placement uses) and returns the most tokens/s.
@@ -209,7 +210,8 @@ def _step(shape: Shape, p: Policy, m: Machine, rows: int, tokens: float, queries
             step += layer.count * (max(read, compute) + m.contention * min(read, compute))
         else:
             step += layer.count * (read + compute)
-    return step, reads, computes
+    # Other programs' turns on a shared machine stretch every second alike.
+    return step / m.share, reads / m.share, computes / m.share
 
 
 def predict(shape: Shape, policy: Policy, machine: Machine,
