@@ -4,7 +4,7 @@
 
 Each row runs one policy through FlexGen's own overlapped loop (Runtime.generate: a block
 of gpu_batch_size x num_gpu_batches prompts of --prompt-tokens, --new-tokens each) and
-compares its decode tokens/s (the block over its fastest decode step in four generations)
+compares its decode tokens/s (the block over its median decode step in four generations)
 with planner/policy_search.predict from this machine's rates, measured twice at the start,
 the faster of each kept (--cached: the rates an earlier start cached), on the share of a
 core a busy thread got just before and after the row (machine.cpu_share: the machine is
@@ -27,7 +27,7 @@ from impress_flexgen.entrypoints.process import run_main
 
 GiB = 1 << 30
 RSS_LIMIT = 8 * GiB
-ROUNDS = 4      # generations per row; its fastest decode step is what is compared
+ROUNDS = 4      # generations per row; its median decode step is what is compared
 
 
 def best_of(a, b):
@@ -68,9 +68,9 @@ def rows_for(quick: bool):
 
 
 def measure(cfg, spec, block: int, prompt_tokens: int, new_tokens: int) -> tuple[float, int]:
-    """(decode tokens/s of the block: its fastest decode step over two generations, as the
-    machine's rates are each the best of a few runs, on a machine shared with other work;
-    peak RSS so far)."""
+    """(decode tokens/s of the block: its median decode step over ROUNDS generations, a
+    step as the machine's load let it run, as the prediction's share of a core is; peak
+    RSS so far)."""
     from flexgen.timer import timers
 
     from impress_flexgen.models.runtime import Runtime
@@ -84,7 +84,7 @@ def measure(cfg, spec, block: int, prompt_tokens: int, new_tokens: int) -> tuple
     rss = psutil.Process().memory_info().rss
     if rss > RSS_LIMIT:
         raise RuntimeError(f"RSS {rss / GiB:.1f} GiB is past {RSS_LIMIT / GiB:.0f} GiB")
-    return block / min(steps), rss
+    return block / float(np.median(steps)), rss
 
 
 def _searched(spec, machine, workload, ram_bytes):
