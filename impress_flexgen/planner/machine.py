@@ -73,15 +73,24 @@ class Machine:
         return dataclasses.replace(self, **rates)
 
 
-def _best(fn, repeats: int = 5, sync=lambda: None) -> float:
+def _clock():
+    """The clock of a product: with one CPU thread computing, that thread's CPU time (what
+    the work takes, however the machine's load interleaves it, which Machine.share counts);
+    else the wall clock."""
+    if torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _best(fn, repeats: int = 5, sync=lambda: None, clock=time.perf_counter) -> float:
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return max(best, 1e-9)
 
 
@@ -96,13 +105,14 @@ def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     for rows in ROWS:
         x = torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype)
         best = [float("inf")] * len(mats)
+        clock = _clock() if device == "cpu" else time.perf_counter
         for _ in range(4):      # each product timed alone: short enough to run undisturbed
             for i, w in enumerate(mats):
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 torch.nn.functional.linear(x, w)
                 sync()
-                best[i] = min(best[i], time.perf_counter() - t0)
+                best[i] = min(best[i], clock() - t0)
         out.append(sum(best[1:]) / sum(w.numel() for w in mats[1:]))   # [0]: first touch
     return tuple(out)
 
@@ -214,14 +224,15 @@ def _layer_s() -> tuple[float, float]:
 
 
 def _unpack_per_s(dtype: torch.dtype) -> float:
-    """4-bit values unpacked per second, on a 1024 x 4096 matrix: the estimate's 4096 x 4096
+    """4-bit values unpacked per second, on a 1024 x 4096 matrix (the estimate's 4096 x 4096
     takes long enough on a CPU that other programs' turns land in it, and the prediction
-    counts those apart (Machine.share)."""
+    counts those apart: Machine.share)."""
     from ..models import quant
 
     w = torch.randn(_SIDE // 2, 2 * _SIDE, generator=torch.Generator().manual_seed(0))
     data, scale = quant.compress(w, 64, 0)
-    return w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype))
+    return w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+                             clock=_clock())
 
 
 def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
