@@ -47,7 +47,7 @@ def best_of(a, b):
     return dataclasses.replace(a, **faster)
 
 
-def rows_for(quick: bool):
+def rows_for(quick: bool, opt: str = "opt-125m", llama: str = "smollm2-135m"):
     from impress_flexgen.planner.policy_search import Policy
 
     rows = [
@@ -64,7 +64,8 @@ def rows_for(quick: bool):
     ]
     if not quick:
         rows.append(("opt-1.3b", "weights on disk, block 8x2", Policy(0, 0, 100, 0, 8, 2)))
-    return rows
+    names = {"opt-125m": opt, "smollm2-135m": llama}
+    return [(names.get(model, model), label, policy) for model, label, policy in rows]
 
 
 def measure(cfg, spec, block: int, prompt_tokens: int, new_tokens: int) -> tuple[float, int]:
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--cached", action="store_true",
                    help="use the machine rates an earlier start cached (default: measure now)")
+    p.add_argument("--opt", default="opt-125m", help="the OPT model of the rows (opt-125m)")
+    p.add_argument("--llama", default="smollm2-135m",
+                   help="the Llama model of the rows (smollm2-135m)")
     p.add_argument("--prompt-tokens", type=int_range(1, 512), default=32)
     p.add_argument("--new-tokens", type=int_range(3, 64), default=8)
     p.add_argument("--max-ram-gb", type=finite_float(0, low_open=True), default=1.6,
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
           f"{time.perf_counter() - t0:.1f} s): {machine}", flush=True)
     workload = Workload(args.prompt_tokens, args.new_tokens)
     out = []
-    for model, label, policy in rows_for(args.quick):
+    for model, label, policy in rows_for(args.quick, args.opt, args.llama):
         base = RuntimeConfig(model=model, dtype=np.float32)
         spec = resolve_spec(base, check_placement=False)
         if policy is None:
