@@ -116,9 +116,9 @@ def main(argv=None) -> int:
                    help="the Llama model of the rows (smollm2-135m)")
     p.add_argument("--prompt-tokens", type=int_range(1, 512), default=32)
     p.add_argument("--new-tokens", type=int_range(3, 64), default=8)
-    p.add_argument("--max-ram-gb", type=finite_float(0, low_open=True), default=1.6,
-                   help="the RAM cap of the searched row (1.6: opt-125m's fp32 weights do "
-                        "not all fit)")
+    p.add_argument("--max-ram-gb", type=finite_float(0, low_open=True), default=0.8,
+                   help="the RAM budget the searched row is planned in (0.8: opt-125m's fp32 "
+                        "weights do not all fit beside a block's working memory)")
     args = p.parse_args(argv)
 
     import dataclasses
