@@ -148,8 +148,9 @@ def main(argv=None) -> int:
     config = ServiceConfig.from_args(args, timeout_s=float("inf"), default_tiers=(
         DEFAULT_TIER_BYTES if args.requests is not None else (0, 0)))
     cfg = config.runtime_config()
-    # Everything that can be refused is refused before the model is built.
-    spec = resolve_spec(cfg)
+    # Everything that can be refused is refused before the model is built (throughput
+    # work's placement once the policy search has chosen it).
+    spec = resolve_spec(cfg, check_placement=not args.throughput)
     tokenizer = requests = results = None
     if args.prompt or args.requests:
         from ..models.runtime import load_tokenizer
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
         from .throughput import searched_config
 
         cfg, args.policy_search = searched_config(cfg, *_throughput_work(args))
-        spec = resolve_spec(cfg) if args.policy_search is not None else spec
+        spec = resolve_spec(cfg)
     if args.dry_run:
         from ..models.runtime import dry_run
 

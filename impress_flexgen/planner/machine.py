@@ -32,7 +32,7 @@ from .costs import machine_key
 from .estimate import Rates, measure_rates
 
 CACHE_FILE = "MACHINE.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: products over 128 MiB of matrices, disk read by four threads
 ROWS = (1, 4, 16, 64)
 _SIDE = 2048
 _MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, past the caches' share a program gets
