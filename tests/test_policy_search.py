@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from impress_flexgen.entrypoints import run
+from impress_flexgen.errors import UserError
 from impress_flexgen.models.formats import candidates
 from impress_flexgen.models.placement import GiB, Resources, make_plan
 from impress_flexgen.models.runtime import Runtime, RuntimeConfig, resolve_spec
@@ -163,3 +164,21 @@ def test_latency_work_keeps_todays_placement(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "placement auto:" in printed and "policy search" not in printed
+
+
+def test_throughput_plans_a_budget_only_the_searched_policy_fits(tmp_path, capsys,
+                                                                 monkeypatch):
+    """0.8 GiB holds opt-125m's fp32 weights only partly on disk beside a block's short
+    work (the latency plan, sized for 2,048-token passes, refuses it): the search's
+    policy is planned and printed."""
+    monkeypatch.setattr(ps, "measure_machine", lambda cuda=None: MACHINE)
+    args = ["--model", "opt-125m", "--max-ram-gb", "0.8", "--dtype", "fp32",
+            "--no-compress-weight", "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10",
+            "--max-new-tokens", "8", "--dry-run", "--offload-dir", str(tmp_path / "off")]
+    assert run.main(args + ["--throughput"]) == 0
+    printed = capsys.readouterr().out
+    assert "placement auto (policy search):" in printed and "dry run" in printed
+    line = next(x for x in printed.splitlines() if x.startswith("policy search: weights"))
+    assert "/0/0, cache" not in line.split("weights ", 1)[1][:12]    # some weights on disk
+    with pytest.raises(UserError, match="does not fit"):
+        run.main(args)
