@@ -1,19 +1,22 @@
-"""This machine's rates for the policy search's cost model, measured in about a second and
-cached beside RATES.json in the weights cache.
+"""This machine's rates for the policy search's cost model, measured in seconds and cached
+beside RATES.json in the weights cache.
 
     machine = measure_machine(cuda=torch.cuda.is_available())
 
 Reused from the planner's estimate (estimate.measure_rates): the compute dtype's product
-rate, the bytes a one-row product streams, 4-bit unpacking. Measured here, each the best
-of a few short runs: the time per weight element of products of 1, 4, 16 and 64 rows (a
-decode block's products are neither one row nor a prefill's many); reading FlexGen's disk
-files the way its copy threads do (memory maps of .npy files copied into new tensors by four
-threads at once: a fixed cost per file and a rate, from small and large files, so what is
-measured is what FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU"
-without CUDA); with CUDA the CPU-GPU link; how much a copy slows a product running beside
-it (`contention`: 0 for perfect overlap, 1 for none); and one FlexGen layer's fixed cost,
-from decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches,
-what a small model's decode mostly is).
+rate and the bytes a one-row product streams. Measured here, each the best of a few short
+runs: the time per weight element of products of 1, 4, 16 and 64 rows (a decode block's
+products are neither one row nor a prefill's many), over 128 MiB of matrices so that they
+come from memory, not the cache; 4-bit unpacking; reading FlexGen's disk files the way its
+copy threads do (memory maps of .npy files copied into new tensors by four threads at once:
+a fixed cost per file and a rate, from small and large files, so what is measured is what
+FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU" without
+CUDA; with CUDA the CPU-GPU link); how much a copy slows a product running beside it
+(`contention`: 0 for perfect overlap, 1 for none); one FlexGen layer's fixed cost, from
+decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches, what a
+small model's decode mostly is). With one CPU thread a product is timed by its thread's CPU
+time. At every call, not cached: the share of a core a busy thread gets now (other
+programs' load), which stretches every predicted second.
 """
 from __future__ import annotations
 
