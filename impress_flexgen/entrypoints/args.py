@@ -128,7 +128,8 @@ PLACEMENT_HELP = (
     "anything is allocated), gpu (everything on the compute device), cpu, disk, mixed "
     "(30/40/30%% on GPU/CPU/disk), or six percentages W_GPU,W_CPU,CACHE_GPU,CACHE_CPU,ACT_GPU,"
     "ACT_CPU (the rest on disk); a placement that cannot fit is refused before anything is "
-    "allocated")
+    "allocated; auto with --throughput: a policy search picks the percentages, the batch sizes "
+    "and compression for the most tokens/s from rates measured at start-up")
 
 
 def placement_arg(text: str):

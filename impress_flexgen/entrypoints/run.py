@@ -120,6 +120,17 @@ def parse_args(argv):
     return args
 
 
+def _throughput_work(args) -> tuple[int, int, int | None]:
+    """(prompt tokens, new tokens, most sequences in a block) the policy search weighs."""
+    if args.prompt_token_ids is not None:
+        return (max(len(p) for p in args.prompt_token_ids), args.max_new_tokens,
+                len(args.prompt_token_ids))
+    if args.requests is not None:
+        return args.prefix_tokens, args.request_max_tokens or defaults.MAX_TOKENS, None
+    return args.prefix_tokens + args.query_tokens, args.max_new_tokens, \
+        args.prefixes * args.queries
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -137,13 +148,9 @@ def main(argv=None) -> int:
     config = ServiceConfig.from_args(args, timeout_s=float("inf"), default_tiers=(
         DEFAULT_TIER_BYTES if args.requests is not None else (0, 0)))
     cfg = config.runtime_config()
-    # Everything that can be refused is refused before the model is built.
-    spec = resolve_spec(cfg)
-    if args.dry_run:
-        from ..models.runtime import dry_run
-
-        print(dry_run(cfg, spec))
-        return 0
+    # Everything that can be refused is refused before the model is built (throughput
+    # work's placement once the policy search has chosen it).
+    spec = resolve_spec(cfg, check_placement=not args.throughput)
     tokenizer = requests = results = None
     if args.prompt or args.requests:
         from ..models.runtime import load_tokenizer
@@ -151,6 +158,17 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(spec)
     if args.prompt:
         args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
+    args.policy_search = None
+    if args.throughput:
+        from .throughput import searched_config
+
+        cfg, args.policy_search = searched_config(cfg, *_throughput_work(args))
+        spec = resolve_spec(cfg)
+    if args.dry_run:
+        from ..models.runtime import dry_run
+
+        print(dry_run(cfg, spec))
+        return 0
     store_root = None
     if args.requests is not None:
         requests, results, todo = open_request_file(args, spec, tokenizer)

@@ -58,6 +58,11 @@ class RuntimeConfig:
     # free less a few GiB (placement.machine_resources).
     max_ram_bytes: int | None = None
     max_disk_bytes: int | None = None
+    # Throughput work: its prompt + new tokens (the cache and working memory are sized by
+    # them, not by the model's every position), and the policy search's choice and
+    # prediction, said in the plan line.
+    work_tokens: int | None = None
+    searched: str = ""
 
 
 @dataclasses.dataclass
@@ -204,7 +209,7 @@ class Runtime:
         spec = spec if spec is not None else resolve_spec(cfg, False)
         # Planned (and refused if it cannot fit) before anything is allocated or written.
         self.plan: Plan = make_plan(spec, cfg)
-        if self.plan.auto or self.plan.weights_write:
+        if self.plan.auto or self.plan.weights_write or self.plan.searched:
             print(self.plan.describe(), flush=True)
         fmt = self.plan.format
         self.spec: ModelSpec = in_format(cfg, spec, fmt)
