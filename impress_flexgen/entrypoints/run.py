@@ -15,6 +15,8 @@ parses the flags, refuses what it can before the model is built, and picks the m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 from .. import defaults
@@ -164,6 +166,8 @@ def main(argv=None) -> int:
 
         cfg, args.policy_search = searched_config(cfg, *_throughput_work(args))
         spec = resolve_spec(cfg)
+        # A request file's block is the searched one (the config folds it into its batch).
+        config = dataclasses.replace(config, runtime=cfg)
     if args.dry_run:
         from ..models.runtime import dry_run
 
