@@ -20,8 +20,9 @@ step's weight read and its compute, each measured alone: the same step again wit
 not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
 and `next_start_s` (building the model with its weights written, then reused),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
-weights could come from the page cache), `predicted_tokens_per_s` (a policy search's
-prediction where one exists; else null). `--quick`: opt-125m under the same placement,
+weights could come from the page cache), `predicted_tokens_per_s` and
+`predicted_decode_tokens_per_s` (the policy search's prediction for the row's policy, on the
+rates it measures at start-up; null for the peer). `--quick`: opt-125m under the same placement,
 and smollm2-135m wholly in memory (what the schedule costs where nothing is offloaded).
 """
 from __future__ import annotations
@@ -69,13 +70,24 @@ def _runtime_config(job: dict):
                          num_gpu_batches=job["num_gpu_batches"])
 
 
-def predicted_tokens_per_s(spec, cfg, batch: int):
-    """The policy search's prediction for this row, where the search exists (else None)."""
-    try:
-        from impress_flexgen.planner import policy_search  # noqa: F401
-    except ImportError:
-        return None
-    return None    # the search's predict() is wired in with the search itself
+def predicted(job: dict, machine) -> dict:
+    """The policy search's prediction for this row's policy on `machine` (the rates
+    measured once, before the rows): tokens/s over prefill and decode, and decode alone."""
+    from impress_flexgen.models.runtime import resolve_spec
+    from impress_flexgen.planner.policy_search import Policy, Workload, model_shape, predict
+
+    cfg = _runtime_config(job)
+    p = cfg.placement
+    block = job["mode"] == "block"
+    policy = Policy(p.w_gpu, p.w_cpu, p.cache_gpu, p.cache_cpu,
+                    job["gpu_batch_size"] if block else job["batch"],
+                    job["num_gpu_batches"] if block else 1, act_gpu=p.act_gpu,
+                    act_cpu=p.act_cpu)
+    guess = predict(model_shape(resolve_spec(cfg, check_placement=False)), policy, machine,
+                    Workload(job["prefix"] + QUERY_TOKENS, job["tokens"]),
+                    overlap=cfg.overlap)
+    return {"predicted_tokens_per_s": guess.tokens_per_s,
+            "predicted_decode_tokens_per_s": guess.decode_tokens_per_s}
 
 
 def _steps(engine, reqs, micro_batch):
@@ -148,7 +160,7 @@ def ours(job: dict) -> dict:
                 "peak_rss_gb": _peak_rss_gb(), "first_start_s": starts[0],
                 "next_start_s": starts[1], "bytes_read": int(sum(reads)),
                 "page_cache": bool(job["offload"] and torch.cuda.is_available()),
-                "predicted_tokens_per_s": predicted_tokens_per_s(rt.spec, cfg, batch)}
+                "predicted_tokens_per_s": None, "predicted_decode_tokens_per_s": None}
 
 
 def prepare_peer(job: dict) -> dict:
@@ -222,7 +234,7 @@ def accelerate(job: dict) -> dict:
             "step_s": step_s, "read_s": None, "compute_s": None,
             "peak_rss_gb": _peak_rss_gb(), "first_start_s": starts[0],
             "next_start_s": starts[1], "bytes_read": None, "page_cache": False,
-            "predicted_tokens_per_s": None}
+            "predicted_tokens_per_s": None, "predicted_decode_tokens_per_s": None}
 
 
 WORKERS = {"ours": ours, "accelerate": accelerate, "prepare": prepare_peer}
@@ -282,6 +294,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.models = [("opt-125m", True), ("smollm2-135m", False)]
         args.prefix, args.tokens, args.gpu_batch_size, args.num_gpu_batches = 128, 8, 4, 4
+    from impress_flexgen.planner.machine import measure_machine
+
+    # The policy search's rates, measured once (cached for this machine) before the rows.
+    machine = measure_machine()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
         hf = {}
@@ -294,6 +310,8 @@ def main(argv=None) -> int:
                     hf[key].update(_child("prepare", {**job, **hf[key]}, args.timeout))
                 job.update(hf[key])
             row = _child(kind, job, args.timeout)
+            if kind == "ours":
+                row.update(predicted(job, machine))
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
