@@ -12,6 +12,7 @@ from impress_flexgen.store import ModelShape, PrefixStore, StoreConfig
 from impress_flexgen.store.root import _store_name
 from impress_flexgen.tiers import TierConfig
 from policies import ServingConfig, make_policy
+from tests.helpers.fixtures import redis_server as server  # noqa: F401 - a fixture
 from tests.helpers.ids import prompt_ids as _ids
 
 
@@ -175,13 +176,50 @@ def test_the_memory_tiers_hold_int4_bytes_and_count_them(tiny_runtimes, tmp_path
         store.close()
 
 
-def test_the_shared_pool_refuses_an_int4_store_in_one_line(tiny_runtimes, tmp_path):
-    rt = tiny_runtimes["llama-tiny"]
+def _pool_engine(rt, path, url):
     cfg = ServingConfig(retention=1.0)
     policy = make_policy("random", cfg)
-    store = open_store(tmp_path / "s", rt, cfg, policy, chunk_size=16, kv_format="int4")
-    try:
-        with pytest.raises(UserError, match="not an int4 store's"):
-            assemble(rt, policy, store, TierConfig(remote_url="redis://127.0.0.1:1/0"))
-    finally:
-        store.close()
+    store = open_store(path, rt, cfg, policy, chunk_size=16, kv_format="int4")
+    engine = assemble(rt, policy, store, TierConfig(0, 0, remote_url=url)).engine
+    engine.shared.recompute_s = lambda n, ctx: 1e9      # always worth reading
+    return engine, store
+
+
+def test_the_shared_pool_holds_an_int4_stores_bytes_and_serves_them(tiny_runtimes, tmp_path,
+                                                                    server):
+    import redis
+
+    rt = tiny_runtimes["llama-tiny"]
+    redis.Redis.from_url(server.url).flushdb()
+    prefix, query = _ids(4, 128), _ids(5, 6)
+    out = {}
+    for name in ("a", "b"):       # b's local store is empty: the pool gives it the prefix
+        engine, store = _pool_engine(rt, tmp_path / name, server.url)
+        try:
+            out[name] = engine.serve(Request(prefix, query, 3, keep_logits=True),
+                                     query_logits=True)
+            assert engine.shared.tier.flush(10)
+            written = engine.shared.tier.metrics()["bytes_in"]
+        finally:
+            engine.close()
+            store.close()
+        if name == "a":            # 2 layers x 8 chunks, K and V of 320 bytes each
+            assert written == 2 * 8 * 2 * 320
+    a, b = out["a"], out["b"]
+    assert b.stats.shared_tokens == 128 and b.stats.bytes_read["remote"] == 2 * 8 * 2 * 320
+    assert _kl(a.query_logits, b.query_logits) < 0.05
+
+
+def test_the_accuracy_and_ttft_experiments_have_rows_per_store_format():
+    from experiments import accuracy, ttft
+
+    runs = accuracy.format_runs(["fp16", "int4"], (0.25,))
+    assert [(r.label, r.kv_format) for r in runs] == [
+        ("full", None), ("every chunk [fp16]", "fp16"), ("impress [fp16]", "fp16"),
+        ("every chunk [int4]", "int4"), ("impress [int4]", "int4")]
+    assert [r.kv_format for r in ttft.format_runs(["int4"], 0.25, 16)] == [None, "int4", "int4"]
+    for module in (accuracy, ttft):
+        assert module.parse_args(["--kv-formats", "int4,fp32"]).kv_formats == ["fp32", "int4"]
+        with pytest.raises(SystemExit) as exc:
+            module.parse_args(["--kv-formats", "int3"])
+        assert exc.value.code == 2

@@ -93,10 +93,6 @@ class Engine:
         # The shared pool (a remote tier behind the disk), when one is configured.
         self.shared = None
         self.shared_fallbacks = 0
-        if tiers.remote_url and store is not None and policy.reuse and \
-                store.shape.kv_format == "int4":
-            raise UserError("the shared pool (--remote-url) keeps fp32, fp16 or bf16 KV, not "
-                            "an int4 store's; choose one or the other")
         # An exact reader takes nothing from a store (or pool) in a format that loses bits.
         if tiers.remote_url and store is not None and policy.reuse and \
                 (store.shape.kv_exact or not policy.exact_reads):
