@@ -7,9 +7,9 @@
   (KV_FORMATS: fp32, fp16, bf16 or int4; one format per store, in its metadata). An int4
   chunk is its (heads, C, head_dim) values in groups of 32 consecutive ones (along head_dim:
   with head_dim 64 a token's row of one head is two groups), two 4-bit codes a byte, then
-  each group's fp16 scale and minimum: 5/8 of a byte a value, 5/16 of fp16's bytes. Aligned layout: every
-  chunk starts on a 4 KiB boundary and is padded to a multiple of 4 KiB, so any run of
-  adjacent chunks is one O_DIRECT read. Packed layout (chosen when a chunk is not a whole
+  each group's fp16 scale and minimum: 5/8 of a byte a value, 5/16 of fp16's bytes.
+  Aligned layout: every chunk starts on a 4 KiB boundary and is padded to a multiple of
+  4 KiB, so any run of adjacent chunks is one O_DIRECT read. Packed layout (chosen when a chunk is not a whole
   number of pages, e.g. 16 tokens x 3 heads x 64 dims = 6 KiB): chunks follow each other
   without padding and a read covers the pages a run of chunks touches, so padding is paid
   once per run instead of once per chunk (8 KiB read per 6 KiB chunk otherwise). The K and
