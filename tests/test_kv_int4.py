@@ -79,6 +79,12 @@ def test_the_format_is_in_the_meta_the_identity_and_the_name_and_formats_never_m
     assert _store_name("impress", args, "int4") != _store_name("impress", args, "fp16")
     with pytest.raises(UserError, match="multiple of 4"):
         ModelShape("m", 1, 2, 6, kv_format="int4")
+    # The shared pool keys values by format too: int4 values live under other keys.
+    from impress_flexgen.tiers.remote_codec import RemoteNamespace
+
+    pools = {d: RemoteNamespace("m", 1, 2, 16, d, 16) for d in ("float16", "int4")}
+    assert pools["float16"].seed() != pools["int4"].seed()
+    assert pools["int4"].value_shape == (2, 1, 1, 320)
 
 
 def _engine(rt, path, policy, kv_format, tiers=TierConfig(), retention=1.0):
