@@ -484,7 +484,9 @@ def _run_key(run: RunConfig, heads: tuple[int, int]) -> tuple:
 class PrefixKV:
     """Each prefix's stored K/V as a cold serve writes it, computed once (see "Seeding")."""
 
-    def __init__(self, runtime: Runtime, tasks: Tasks, root: Path, progress=None):
+    def __init__(self, runtime: Runtime, tasks: Tasks, root: Path, progress=None,
+                 needed=None):
+        """`needed`: the prefixes the tasks run use (None: all)."""
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         cfg = ServingConfig(retention=1.0)
         policy = make_policy("full", cfg)
@@ -494,6 +496,8 @@ class PrefixKV:
         engine, store = stack.engine, stack.store
         try:
             for p, ids in enumerate(tasks.prefixes):
+                if needed is not None and p not in needed:
+                    continue
                 engine.serve(Request(ids, [ids[-1]], 1))          # the cold serve
                 match = store.match_prefix(ids)
                 try:
@@ -802,7 +806,9 @@ def main(argv=None) -> int:
         with Runtime(RuntimeConfig(model=args.model)) as rt:
             tasks = build_tasks(rt.tokenizer, settings)
             main_tasks = args.tasks if do_main else ["fidelity"]
-            total = len(tasks.prefixes) if not args.cold_serve else 0
+            # Only the prefixes of the tasks run are seeded.
+            needed = {p for task in main_tasks for p in tasks.prefixes_of(task)}
+            total = len(needed) if not args.cold_serve else 0
             total += sum(_requests(tasks, main_tasks, make_policy(r.policy).reuse)
                          for r in runs + [d.run for d in decoded])
             math_ = FamilyMath(rt.spec)
@@ -812,7 +818,7 @@ def main(argv=None) -> int:
             total += len(sens_keys) * _requests(tasks, ["fidelity"], True)
             results, sens_rows = [], []
             with tqdm(total=total, desc="requests", unit="req") as bar:
-                seeds = None if args.cold_serve else PrefixKV(rt, tasks, root, bar)
+                seeds = None if args.cold_serve else PrefixKV(rt, tasks, root, bar, needed)
                 ctx = RunContext(rt, tasks, root, seeds, {}, bar)
                 fidelity_of = {}      # configuration key -> its fidelity row
                 for run in runs:
