@@ -46,6 +46,9 @@ def runtime_memory_fields(args) -> dict:
     for flag in ("compress_weight", "compress_cache", "weight_groups", "cache_groups"):
         if getattr(args, flag, None) is not None:
             out[flag] = getattr(args, flag)
+    for flag in ("gpu_batch_size", "num_gpu_batches", "overlap"):
+        if getattr(args, flag, None) is not None:
+            out[flag] = getattr(args, flag)
     for flag, field in (("max_ram_gb", "max_ram_bytes"), ("max_disk_gb", "max_disk_bytes")):
         if getattr(args, flag, None) is not None:
             out[field] = int(getattr(args, flag) * GB)
@@ -130,6 +133,19 @@ class StoreOptions:
                 "read_limit_mb_s": self.read_limit_mb_s}
 
 
+# The block of --throughput when neither --gpu-batch-size nor --num-gpu-batches is given:
+# 8 micro-batches of 8 (a block of 64 shares each weight load).
+THROUGHPUT_BLOCK = (8, 8)
+
+
+def throughput_runtime(runtime: RuntimeConfig) -> RuntimeConfig:
+    """The runtime of the block schedule: its block as given, or THROUGHPUT_BLOCK."""
+    if runtime.gpu_batch_size * runtime.num_gpu_batches > 1:
+        return runtime
+    size, n = THROUGHPUT_BLOCK
+    return dataclasses.replace(runtime, gpu_batch_size=size, num_gpu_batches=n)
+
+
 def _default_runtime() -> RuntimeConfig:
     return RuntimeConfig(placement=AUTO)
 
@@ -157,6 +173,11 @@ class ServiceConfig:
     # A scored prompt's tokens prefilled per step: what another request that arrives
     # meanwhile waits for, and the rows of logits held at once (None: engine.scheduler's).
     score_piece_tokens: int | None = None
+    # The block schedule (FlexGen's, for throughput work): a block of up to the runtime's
+    # gpu_batch_size x num_gpu_batches sequences decoded together, each layer's weights
+    # brought once for the block and computed in micro-batches of gpu_batch_size; the
+    # block replaces max_batch_size (THROUGHPUT_BLOCK where the runtime's is 1 x 1).
+    throughput: bool = False
     # Shorthands for the parts most often set (a model, a store root, tier sizes): each is
     # folded into the part that owns it when the config is made, and never stored apart;
     # read runtime.model, store.root, tiers.gpu_bytes and tiers.cpu_bytes.
@@ -177,6 +198,11 @@ class ServiceConfig:
         if not 0 <= self.batch_gather_s <= 10:
             raise UserError("the batch gather wait must be between 0 and 10 seconds")
         fold = object.__setattr__    # frozen: only here, while the object is being made
+        if self.throughput:
+            fold(self, "runtime", throughput_runtime(self.runtime))
+            r = self.runtime
+            fold(self, "max_batch_size", r.gpu_batch_size * r.num_gpu_batches)
+            fold(self, "queue_size", max(self.queue_size, self.max_batch_size))
         if model is not None:
             fold(self, "runtime", dataclasses.replace(self.runtime, model=model))
         if store_root is not None:
@@ -221,7 +247,7 @@ class ServiceConfig:
                                 seed=args.seed, dtype=dtype_of(args.dtype),
                                 **runtime_memory_fields(args))
         batching = {k: getattr(args, k) for k in ("max_batch_size", "max_batch_tokens",
-                                                  "score_piece_tokens")
+                                                  "score_piece_tokens", "throughput")
                     if getattr(args, k, None) is not None}
         if getattr(args, "batch_gather_ms", None) is not None:
             batching["batch_gather_s"] = args.batch_gather_ms / 1000

@@ -70,6 +70,24 @@ def _ratio(counters: dict) -> float:
     return counters.get("hits", 0) / total if total else 0.0
 
 
+class _WeightCounters:
+    """The runner's layer weights brought to the compute device since start, and the
+    time its layers waited for them (engine.weight_stream), as counters."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("impress_flexgen_weight_bytes_read", "Layer weight bytes "
+                                  "brought to the compute device (from the disk or the CPU)",
+                                  value=self.stream.bytes_read)
+        yield CounterMetricFamily("impress_flexgen_weight_wait_seconds", "Time the layers "
+                                  "waited for their weights (what compute did not hide)",
+                                  value=self.stream.wait_s)
+
+
 class ServiceMetrics:
     def __init__(self, queue, scheduler, engine, store) -> None:
         """`queue`: the service's queue (its length is read at each scrape); `scheduler`,
@@ -162,10 +180,9 @@ class ServiceMetrics:
                 "layer", ["event"], namespace=ns, registry=r)
             self._pool_seen = dict.fromkeys(POOL_EVENTS, 0)
 
-    def _hit_ratio(self, tier: str) -> float:
-        if self.store is None or self.store.tiers.cache is None:
-            return 0.0
-        return _ratio(self.store.tiers.cache.metrics[tier])
+        stream = getattr(getattr(engine, "runner", None), "weights", None)
+        if stream is not None:
+            r.register(_WeightCounters(stream))
 
     def _hit_ratio(self, tier: str) -> float:
         if self.store is None or self.store.tiers.cache is None:

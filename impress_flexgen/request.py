@@ -50,7 +50,12 @@ class Request:
 class RequestStats:
     ttft_s: float = 0.0
     match_s: float = 0.0
-    weights_s: float = 0.0
+    weights_s: float = 0.0       # bringing weights before the first token (prefill)
+    # Layer weights brought to the compute device for this request, prefill and decode
+    # (a pass or a step shared by several requests counts in each), and the time its
+    # layers waited for them (all of a read without overlap, what compute did not hide with).
+    weight_bytes: int = 0
+    weight_wait_s: float = 0.0
     probe_s: float = 0.0
     select_s: float = 0.0
     load_s: float = 0.0

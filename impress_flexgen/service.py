@@ -135,6 +135,8 @@ class Service:
                          scheduling=SchedulerConfig(config.max_batch_size,
                                                     config.max_batch_tokens, **pieces))
         self.store, self.engine = stack.store, stack.engine
+        if config.throughput:        # the block schedule: micro-batches of the runtime's
+            self.engine.runner.micro_batch = config.runtime.gpu_batch_size
 
     def describe(self) -> list[str]:
         """Lines for a user: what is served, from where, how."""
@@ -375,6 +377,7 @@ class Service:
                  "probe_bytes": st.probe_bytes, "layers_fallback": st.layers_fallback,
                  "layers": st.layers if st.matched_tokens else 0,
                  "decode_s_per_token": st.decode_s_per_token,
+                 "weight_bytes": st.weight_bytes, "weight_wait_s": st.weight_wait_s,
                  "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
                  "plan_reason": st.plan_reason if st.matched_tokens else None,
                  "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens,

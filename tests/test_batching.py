@@ -229,7 +229,7 @@ def test_admitted_requests_share_one_prefill_pass(tiny_runtimes, monkeypatch):
     loads = []
     real = engine.runner.load_weights
     monkeypatch.setattr(engine.runner, "load_weights",
-                        lambda j, st: loads.append(j) or real(j, st))
+                        lambda j, st, **kw: loads.append(j) or real(j, st, **kw))
     together = engine.serve_all(reqs, SchedulerConfig(max_batch_size=4))
     assert loads.count(1) == 1                 # the first attention layer's: once, not 3x
     assert loads.count(2) == 1                 # its MLP's

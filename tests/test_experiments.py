@@ -62,3 +62,28 @@ def test_compression_fidelity_compares_every_format_with_fp32(tmp_path):
     assert rows["int4 weights"]["weights_bytes"] < rows["fp32"]["weights_bytes"] / 4
     assert rows["int4 weights"]["kl_vs_fp32"] > 0 and rows["int4 kv"]["kl_vs_fp32"] > 0
     assert all(r["decode_s_per_token"] > 0 for r in rows.values())
+
+
+@pytest.mark.slow
+def test_policy_search_check_compares_every_row(tmp_path, monkeypatch):
+    """Each policy runs through FlexGen's loop; predicted and measured are both there."""
+    from experiments import policy_search_check
+    from impress_flexgen.planner import policy_search
+    from impress_flexgen.planner.machine import Machine
+
+    machine = Machine(cuda=False, flops_per_s=1e11, bytes_per_s=2e10, unpack_per_s=2e9,
+                      row_seconds=(1e-10, 1.5e-10, 3e-10, 1e-9), disk_bytes_per_s=1e9,
+                      disk_file_s=1e-4, link_bytes_per_s=1e10, layer_s=(5e-4, 8e-4))
+
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(policy_search, "measure_machine", lambda *a, **k: machine)
+    out = tmp_path / "ps.json"
+    assert policy_search_check.main(["--quick", "--opt", "opt-tiny", "--llama", "llama-tiny",
+                                     "--prompt-tokens", "8", "--new-tokens", "3",
+                                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 10
+    for r in rows:
+        assert r["predicted_decode_tokens_per_s"] > 0 and r["measured_decode_tokens_per_s"] > 0
+        assert r["error"] == pytest.approx(
+            r["measured_decode_tokens_per_s"] / r["predicted_decode_tokens_per_s"] - 1)

@@ -114,7 +114,7 @@ def test_the_config_holds_what_the_flags_said_once():
     config = ServiceConfig.from_args(run.parse_args(FLAGS))
     assert {f.name for f in dataclasses.fields(ServiceConfig)} == {
         "runtime", "run", "tiers", "store", "queue_size", "timeout_s", "max_batch_size",
-        "max_batch_tokens", "batch_gather_s", "score_piece_tokens"}
+        "max_batch_tokens", "batch_gather_s", "score_piece_tokens", "throughput"}
     assert (config.max_batch_size, config.max_batch_tokens) == (8, 8192)
     assert config.score_piece_tokens is None      # the scheduler's own default
     assert ServiceConfig.from_args(run.parse_args(

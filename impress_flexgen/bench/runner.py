@@ -21,6 +21,7 @@ import torch
 
 from ..config import RunConfig, StoreOptions
 from ..engine import Engine, Request, model_shape
+from ..engine.scheduler import SchedulerConfig
 from ..engine.assemble import StoreSpec, assemble, make_serving_policy, start_engine
 from ..errors import UserError
 from ..models.runtime import Runtime
@@ -108,11 +109,32 @@ def prepared(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierCo
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def serve_block(engine, reqs: list[Request], block: tuple[int, int]) -> list:
+    """`reqs` served together under the block schedule: blocks of gpu_batch_size x
+    num_gpu_batches sequences, computed in micro-batches of gpu_batch_size (Runner)."""
+    size, n = block
+    engine.runner.micro_batch = size
+    try:
+        out = engine.serve_all(reqs, SchedulerConfig(
+            max_batch_size=size * n,
+            max_batch_tokens=max(8192, sum(len(r.query) + 1 for r in reqs))),
+            query_logits=True)
+    finally:
+        engine.runner.micro_batch = None
+    for resp in out:
+        if isinstance(resp, Exception):
+            raise resp
+    return out
+
+
 def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: TierConfig, *,
                  store_dir: Path | None = None, store_root: Path | None = None,
                  reference: dict | None = None, max_new_tokens: int = 1,
-                 store: StoreOptions | None = None, progress=None, on_response=None) -> dict:
+                 store: StoreOptions | None = None, progress=None, on_response=None,
+                 block: tuple[int, int] | None = None) -> dict:
     """Serve the workload with one configuration (see prepared()); returns a result row.
+    `block` (gpu_batch_size, num_gpu_batches): the measured queries are served together
+    under the block schedule (serve_block), with the row's tokens_per_s.
 
     Only the measured queries count. `reference` maps query index -> full-KV query logits
     for KL; an empty dict is filled.
@@ -120,10 +142,15 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
     with prepared(runtime, workload, run, tiers, store_dir=store_dir, store_root=store_root,
                   store=store) as ready:
         rows, kls, top1 = [], [], []
+        reqs = [Request(workload.prefixes[p], query, max_new_tokens, n_pad=workload.pad_of(p))
+                for p, query in workload.queries]
+        generated, t0 = 0, time.perf_counter()
+        served = None if block is None else serve_block(ready.engine, reqs, block)
         for qi, (p, query) in enumerate(workload.queries):
-            resp = ready.engine.serve(Request(workload.prefixes[p], query, max_new_tokens,
-                                              n_pad=workload.pad_of(p)), query_logits=True)
+            resp = served[qi] if served is not None else \
+                ready.engine.serve(reqs[qi], query_logits=True)
             rows.append(resp.stats)
+            generated += len(resp.tokens)
             if reference is not None:
                 if qi in reference:
                     kls.append(kl_divergence(reference[qi], resp.query_logits))
@@ -135,7 +162,9 @@ def run_workload(runtime: Runtime, workload: Workload, run: RunConfig, tiers: Ti
                 on_response(qi, p, query, resp)
             if progress is not None:
                 progress.update(1)
+        elapsed = time.perf_counter() - t0
         row = summarize(run, ready.policy, rows, kls, top1, ready.store)
+        row["tokens_per_s"] = generated / elapsed
         row["reorder_s"] = ready.reorder_s
         row["shared_fallbacks"] = ready.engine.shared_fallbacks
         if ready.store is not None:

@@ -33,12 +33,14 @@ from ..models.base import dense
 from ..models.runtime import Runtime
 from ..request import RequestStats
 from ..sampling import Sampler
-from .attention import SideBySide, attend, attend_context, plan_rows
+from .attention import attend, attend_context, plan_rows
 from .family import FamilyMath
 from .lane import Lane
 from .prefix_kv import PrefixKV
 from .scores import score_hidden, step_scores
 from .sequence import PiecesKV, decode_context
+from .weight_stream import WeightStream
+from .block import Sides, again, micro_batches
 
 
 @dataclasses.dataclass
@@ -86,28 +88,34 @@ class Runner:
         self.group = math.n_head // math.n_kv_head
         # SDPA on a CPU has no half-precision kernel worth using: decode attends in float32.
         self.work = torch.float32 if device.type == "cpu" else None
-        self.side = SideBySide()
+        self.side = Sides()
         self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
+        self.weights = WeightStream(self.model, device, runtime.cfg.overlap)
+        # The block schedule (--throughput): a decode step's sequences computed in
+        # micro-batches of this many, layer by layer (FlexGen's zig-zag order), each layer's
+        # weights brought once for all of them; None: the whole batch at once.
+        self.micro_batch: int | None = None
+        # FlexGen's layers hand their buffer back on the policy's last GPU batch (k).
+        self.pop_k = self.flex_policy.num_gpu_batches - 1
 
     # -- the weights of one layer --------------------------------------------------------------
-    def load_weights(self, j: int, stats: RequestStats):
+    def load_weights(self, j: int, stats: RequestStats, ahead: int | None = None):
         """Bring layer j's weights to the compute device (FlexGen's placement decides from
-        where) and return them as plain tensors (None for the embedding and the MLP layers,
-        whose FlexGen forward takes them from its buffer)."""
-        with stats.timer("weights_s"):
-            layer = self.model.layers[j]
-            layer.load_weight(self.model.weight_home[j], self.model.weight_read_buf[j], 0)
-            self.model.env.disk.synchronize()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+        where; with overlap, layer `ahead`'s read starts as j is ready: weight_stream) and
+        return them as plain tensors (None for the embedding and the MLP layers, whose
+        FlexGen forward takes them from its buffer)."""
+        t0 = time.perf_counter()
+        self.weights.bring(j, stats, ahead)
+        stats.weights_s += time.perf_counter() - t0
         if j % 2 == 0:
             return None
         return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
 
-    def _pass_weights(self, p: PrefillPass, j: int):
+    def _pass_weights(self, p: PrefillPass, j: int, ahead: int | None = None):
         timing = RequestStats()
-        weights = self.load_weights(j, timing)
-        p.spent("weights_s", timing.weights_s)
+        weights = self.load_weights(j, timing, ahead=ahead)
+        for field in ("weights_s", "weight_wait_s", "weight_bytes"):
+            p.spent(field, getattr(timing, field))
         return weights
 
     # -- prefill ---------------------------------------------------------------------------
@@ -163,8 +171,9 @@ class Runner:
             # while this layer computes.
             for lane in p.lanes:
                 lane.read_ahead(layer + 1)
-            self._prefill_attention(p, layer, self._pass_weights(p, 1 + 2 * layer))
-            self._pass_weights(p, 2 + 2 * layer)
+            j = 1 + 2 * layer
+            self._prefill_attention(p, layer, self._pass_weights(p, j, ahead=j + 1))
+            self._pass_weights(p, j + 1, ahead=j + 2)
             self._prefill_mlp(p, 2 + 2 * layer)
             p.layer = layer + 1
             if pause is not None and pause():
@@ -248,21 +257,20 @@ class Runner:
                       device=self.device)
 
     def _embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self.load_weights(0, stats)
+        self.load_weights(0, stats, ahead=1)
         with stats.timer("compute_s"):
             hidden, mask = ValueHolder(), ValueHolder()
             hidden.store(TorchTensor.create_from_torch(
                 torch.tensor([ids], dtype=torch.int64, device=self.device), self.compute))
             mask.store(TorchTensor.create_from_torch(
                 torch.ones(1, total_len, dtype=torch.bool, device=self.device), self.compute))
-            self.model.layers[0].forward(hidden, None, self.model.weight_read_buf[0], mask,
-                                         None, 0, 0)
+            self._forward(0, hidden, mask)
         return hidden
 
     def _forward(self, j: int, hidden: ValueHolder, mask: ValueHolder | None = None) -> None:
         """FlexGen's own forward of layer j (the embedding, an MLP) over its loaded buffer."""
         self.model.layers[j].forward(hidden, None, self.model.weight_read_buf[j], mask, None,
-                                     0, 0)
+                                     0, self.pop_k)
 
     # -- tokens from a prefill ---------------------------------------------------------------
     def first_tokens(self, seqs: list, outs: list[tuple]) -> list[Picked]:
@@ -346,34 +354,38 @@ class Runner:
 
     def decode(self, seqs: list) -> list[Picked]:
         """One decode step: feed each sequence its next input and pick its next token, with
-        each layer's weights brought once for all of them."""
+        each layer's weights brought once for all of them (in micro-batches: block.py)."""
         t0 = time.perf_counter()
         stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
-        ids = [s.next_input() for s in seqs]
-        pos = [s.position + s.steps for s in seqs]
-        hidden = self._embed_batch(ids, pos, stats)
-        positions = torch.tensor(pos, device=self.device)[:, None]
-        rope = self.math.rope(positions, hidden.val.data.dtype)
-        side = self.side if self.side_by_side and self.side.hold(seqs, self.math.n_head) \
-            else None
+        parts = micro_batches(seqs, self.micro_batch)
+        steps = [self._decode_inputs(part, m) for m, part in enumerate(parts)]
+        self.load_weights(0, stats, ahead=1)
+        self._each(0, [(hidden, mask) for hidden, mask, *_ in steps])
+        ropes = [self.math.rope(pos, h.val.data.dtype) for h, _, pos, _ in steps]
         for layer in range(self.math.n_layers):
-            weights = self.load_weights(1 + 2 * layer, stats)
-            x = hidden.val.data
-            q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-            if side is not None:
-                attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
-            else:
-                outs = [self._decode_attention(s, layer, q[i:i + 1], k_new[i], v_new[i])
-                        for i, s in enumerate(seqs)]
-                attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
-                                                       self.compute)
-            self.load_weights(2 + 2 * layer, stats)
+            j = 1 + 2 * layer
+            weights = self.load_weights(j, stats, ahead=j + 1)
+            for part, (hidden, _, positions, side), rope in zip(parts, steps, ropes):
+                x = hidden.val.data
+                q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
+                if side is not None:
+                    attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
+                else:
+                    outs = [self._decode_attention(s, layer, q[i:i + 1], k_new[i], v_new[i])
+                            for i, s in enumerate(part)]
+                    attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+                hidden.val = TorchTensor.create_from_torch(self.math.out(weights, attn, x),
+                                                           self.compute)
+            self.load_weights(j + 1, stats, ahead=j + 2)
             with stats.timer("compute_s"):
-                self._forward(2 + 2 * layer, hidden)
+                self._each(j + 1, [(hidden, None) for hidden, *_ in steps])
         out_w = self.load_weights(len(self.model.layers) - 1, stats)
-        on_device = self.math.logits(out_w, hidden.val.data[:, -1])
+        on_device = torch.cat([self.math.logits(out_w, hidden.val.data[:, -1])
+                               for hidden, *_ in steps])
         logits = on_device.cpu()
+        for s in seqs:
+            s.stats.weight_wait_s += stats.weight_wait_s
+            s.stats.weight_bytes += stats.weight_bytes
         elapsed = time.perf_counter() - t0
         picked = []
         for i, s in enumerate(seqs):
@@ -394,20 +406,32 @@ class Runner:
                 picked[i].scores = row
         return picked
 
-    def _embed_batch(self, ids: list[int], pos: list[int], stats) -> ValueHolder:
-        """The inputs' embeddings at their own positions. The mask is what FlexGen's input
-        layer derives positions from (OPT): row b ends with pos[b] + 1 ones."""
-        self.load_weights(0, stats)
+    def _decode_inputs(self, seqs: list, m: int) -> tuple:
+        """A micro-batch's inputs: token ids (embedded by layer 0), the mask FlexGen's input
+        layer derives positions from (OPT: row b ends with pos[b] + 1 ones), positions
+        and its side-by-side layout (None: one sequence at a time)."""
         dev = self.device
+        pos = [s.position + s.steps for s in seqs]
         total = max(pos) + 1
         need = torch.tensor(pos, device=dev)[:, None] + 1
-        mask = torch.arange(total, device=dev)[None] >= total - need
-        hidden, held = ValueHolder(), ValueHolder()
-        hidden.store(TorchTensor.create_from_torch(
-            torch.tensor(ids, dtype=torch.int64, device=dev)[:, None], self.compute))
-        held.store(TorchTensor.create_from_torch(mask, self.compute))
-        self._forward(0, hidden, held)
-        return hidden
+        hidden, mask = ValueHolder(), ValueHolder()
+        hidden.store(TorchTensor.create_from_torch(torch.tensor(
+            [s.next_input() for s in seqs], dtype=torch.int64, device=dev)[:, None],
+            self.compute))
+        mask.store(TorchTensor.create_from_torch(
+            torch.arange(total, device=dev)[None] >= total - need, self.compute))
+        side = self.side.at(m)
+        side = side if self.side_by_side and side.hold(seqs, self.math.n_head) else None
+        return hidden, mask, torch.tensor(pos, device=dev)[:, None], side
+
+    def _each(self, j: int, inputs: list[tuple]) -> None:
+        """FlexGen's forward of layer j (the embedding, an MLP) over each micro-batch's
+        (hidden, mask), its weights put back in the buffer between calls."""
+        buf = self.model.weight_read_buf[j]
+        held = buf.val
+        for hidden, mask in inputs:
+            again(buf, held)
+            self._forward(j, hidden, mask)
 
     def _decode_attention(self, s, layer: int, q, k_new, v_new) -> torch.Tensor:
         """q (1, H, 1, d) of one sequence's new token over its context plus itself."""

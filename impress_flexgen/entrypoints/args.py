@@ -128,7 +128,8 @@ PLACEMENT_HELP = (
     "anything is allocated), gpu (everything on the compute device), cpu, disk, mixed "
     "(30/40/30%% on GPU/CPU/disk), or six percentages W_GPU,W_CPU,CACHE_GPU,CACHE_CPU,ACT_GPU,"
     "ACT_CPU (the rest on disk); a placement that cannot fit is refused before anything is "
-    "allocated")
+    "allocated; auto with --throughput: a policy search picks the percentages, the batch sizes "
+    "and compression for the most tokens/s from rates measured at start-up")
 
 
 def placement_arg(text: str):
@@ -313,6 +314,16 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None,
     c = p.add_argument_group("weights and memory")
     if compression:
         _add_compression_args(c)
+    c.add_argument("--gpu-batch-size", type=int_range(1), default=None, metavar="N",
+                   help="FlexGen's micro-batch: sequences computed together per layer under "
+                        "the block schedule (--throughput), and per batch of --prompt (1; "
+                        "--throughput: 8)")
+    c.add_argument("--num-gpu-batches", type=int_range(1), default=None, metavar="N",
+                   help="FlexGen's micro-batches per block: a block of --gpu-batch-size x N "
+                        "sequences shares each layer's weight load (1; --throughput: 8)")
+    c.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the next layer's weights while this one computes (default); "
+                        "--no-overlap reads each layer when it is needed (to compare)")
     c.add_argument("--max-ram-gb", type=finite_float(0, low_open=True), default=None,
                    metavar="GB",
                    help="RAM the model may use (weights, cache, working memory, tiers); "

@@ -15,6 +15,8 @@ parses the flags, refuses what it can before the model is built, and picks the m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 from .. import defaults
@@ -53,6 +55,10 @@ def parse_args(argv):
                    help="real tokens per prefix in the padded workload (512)")
     w.add_argument("--quick", action="store_true", help="2 prefixes x 512 tokens, 2 queries each (smaller on a model "
                         "whose passes are slow: one line says what and why)")
+    w.add_argument("--throughput", action="store_true",
+                   help="the block schedule, for throughput: the measured queries (or "
+                        "--requests) in blocks of --gpu-batch-size x --num-gpu-batches "
+                        "sharing each layer's weight load (8 x 8 unless given)")
     gen = p.add_argument_group("your own prompts (--prompt: plain generation, no store)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
@@ -116,6 +122,17 @@ def parse_args(argv):
     return args
 
 
+def _throughput_work(args) -> tuple[int, int, int | None]:
+    """(prompt tokens, new tokens, most sequences in a block) the policy search weighs."""
+    if args.prompt_token_ids is not None:
+        return (max(len(p) for p in args.prompt_token_ids), args.max_new_tokens,
+                len(args.prompt_token_ids))
+    if args.requests is not None:
+        return args.prefix_tokens, args.request_max_tokens or defaults.MAX_TOKENS, None
+    return args.prefix_tokens + args.query_tokens, args.max_new_tokens, \
+        args.prefixes * args.queries
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -133,13 +150,9 @@ def main(argv=None) -> int:
     config = ServiceConfig.from_args(args, timeout_s=float("inf"), default_tiers=(
         DEFAULT_TIER_BYTES if args.requests is not None else (0, 0)))
     cfg = config.runtime_config()
-    # Everything that can be refused is refused before the model is built.
-    spec = resolve_spec(cfg)
-    if args.dry_run:
-        from ..models.runtime import dry_run
-
-        print(dry_run(cfg, spec))
-        return 0
+    # Everything that can be refused is refused before the model is built (throughput
+    # work's placement once the policy search has chosen it).
+    spec = resolve_spec(cfg, check_placement=not args.throughput)
     tokenizer = requests = results = None
     if args.prompt or args.requests:
         from ..models.runtime import load_tokenizer
@@ -147,6 +160,19 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(spec)
     if args.prompt:
         args.prompt_token_ids = [tokenizer.encode(t) for t in args.prompt]
+    args.policy_search = None
+    if args.throughput:
+        from .throughput import searched_config
+
+        cfg, args.policy_search = searched_config(cfg, *_throughput_work(args))
+        spec = resolve_spec(cfg)
+        # A request file's block is the searched one (the config folds it into its batch).
+        config = dataclasses.replace(config, runtime=cfg)
+    if args.dry_run:
+        from ..models.runtime import dry_run
+
+        print(dry_run(cfg, spec))
+        return 0
     store_root = None
     if args.requests is not None:
         requests, results, todo = open_request_file(args, spec, tokenizer)

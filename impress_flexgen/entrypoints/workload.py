@@ -99,8 +99,13 @@ def serve_workload(rt, args, root: Path) -> int:
             results.append(run_workload(
                 rt, wl, config.run, config.tiers, store_dir=store_dir, reference=reference,
                 max_new_tokens=args.max_new_tokens, store=config.store, progress=bar,
-                on_response=keep_sample))
+                on_response=keep_sample, block=(rt.cfg.gpu_batch_size, rt.cfg.num_gpu_batches)
+                if args.throughput else None))
     print_summary(results, check=args.check)
+    if args.throughput:
+        print(f"block schedule: {rt.cfg.gpu_batch_size} x {rt.cfg.num_gpu_batches}; "
+              + ", ".join(f"{name} {r['tokens_per_s']:.2f} generated tokens/s"
+                          for name, r in zip(names, results)))
     if sample:
         name = args.policies[-1]
         p, query, tokens = sample.get(name, next(iter(sample.values())))

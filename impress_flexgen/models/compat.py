@@ -35,7 +35,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import quant
+from . import direct_read, quant
 
 _applied = False
 _open_disks: "weakref.WeakSet" = weakref.WeakSet()
@@ -81,7 +81,7 @@ class _TorchWithoutCuda(types.ModuleType):
 
 
 def cpu_copy_worker(copy_queue: queue_mod.Queue, cuda_id: int = 0) -> None:
-    """FlexGen's disk copy worker without CUDA.
+    """FlexGen's disk copy worker without CUDA (whole weights read with O_DIRECT).
 
     A failed copy must not kill the thread: FlexGen joins the queue, so a dead worker
     means a hang. The error is kept and raised by the next synchronize().
@@ -95,9 +95,11 @@ def cpu_copy_worker(copy_queue: queue_mod.Queue, cuda_id: int = 0) -> None:
             return
         try:
             dst, dst_indices, src, src_indices = item
-            src_data = pb.map_to_torch_tensor(src, src_indices)
-            dst_data = pb.map_to_torch_tensor(dst, dst_indices)
-            dst_data.copy_(src_data)
+            # A weight load from the disk is read past the page cache (direct_read).
+            if not direct_read.try_copy(dst, dst_indices, src, src_indices):
+                src_data = pb.map_to_torch_tensor(src, src_indices)
+                dst_data = pb.map_to_torch_tensor(dst, dst_indices)
+                dst_data.copy_(src_data)
         except BaseException as exc:  # noqa: BLE001 - reported by synchronize()
             _copy_errors.append(exc)
         finally:

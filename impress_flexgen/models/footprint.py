@@ -75,7 +75,7 @@ def _tensor_bytes(shape, itemsize: int, groups) -> int:
     return int(np.prod(shape)) * itemsize
 
 
-def _split_layer(sizes: list[int], w_gpu: float, w_cpu: float) -> list[str]:
+def layer_homes(sizes: list[int], w_gpu: float, w_cpu: float) -> list[str]:
     """The device of each tensor of one layer, by FlexGen's rule: where its middle element
     falls in the layer's elements (counted uncompressed, whatever the format), the first
     part going to disk, then CPU, then GPU."""
@@ -112,7 +112,7 @@ class Footprint:
         staged = 0
         for layer, n, elements in zip(self.layers, self.counts, self.elements):
             off = 0
-            for size, home in zip(layer, _split_layer(list(elements), w_gpu, w_cpu)):
+            for size, home in zip(layer, layer_homes(list(elements), w_gpu, w_cpu)):
                 out[home] += size * n
                 off += size if home != "gpu" else 0
             staged = max(staged, off)
@@ -144,9 +144,12 @@ def cache_heads(spec) -> int:
     return c.n_head if spec.family == "opt" else c.n_kv_head
 
 
-def footprint(spec, batch: int = 1, groups=None, cache_groups=None) -> Footprint:
+def footprint(spec, batch: int = 1, groups=None, cache_groups=None,
+              tokens: int | None = None) -> Footprint:
     """What `spec` needs: weights in its dtype (4-bit matrices with `groups`), FlexGen's KV
-    cache of a full-length generation (4-bit with `cache_groups`), working memory."""
+    cache of a full-length generation (4-bit with `cache_groups`), working memory; with
+    `tokens` (throughput work's prompt + new tokens, known before the start), the cache and
+    working memory of generations that long."""
     c = spec.config
     itemsize = np.dtype(c.dtype).itemsize
     shapes = weight_shapes(spec)
@@ -158,10 +161,11 @@ def footprint(spec, batch: int = 1, groups=None, cache_groups=None) -> Footprint
     else:
         hidden, heads, head_dim, ffn = c.hidden_size, c.n_head, c.head_dim, c.intermediate_size
     # FlexGen sizes it prompt + new - 1 rows; a generation fills at most every position.
-    rows = c.max_seq_len - 1
+    positions = c.max_seq_len if tokens is None else min(c.max_seq_len, max(tokens, 1))
+    rows = max(positions - 1, 1)
     one = (rows, batch * cache_heads(spec), head_dim)
     cache = 2 * c.num_hidden_layers * _tensor_bytes(one, itemsize, cache_groups)
-    s = min(c.max_seq_len, ACT_TOKENS)
+    s = min(positions, ACT_TOKENS)
     act = (batch * s * (8 * hidden + 2 * ffn) * itemsize      # hidden states, q/k/v, MLP
            + 3 * batch * heads * s * s * 4                     # attention scores (fp32)
            + 2 * batch * c.vocab_size * 4)                     # logits

@@ -230,6 +230,7 @@ class Plan:
     weights_path: str | None = None  # the weights cache's set (made once), if any
     weights_write: int = 0          # bytes this start writes there (0: made already)
     why: str = ""                   # why this format (auto)
+    searched: str = ""              # the policy search's choice and prediction, if it chose
 
     @property
     def dtype(self) -> str:
@@ -246,10 +247,11 @@ class Plan:
                 "weights_bytes": dict(self.weights), "cache_bytes": dict(self.cache),
                 "needs_bytes": dict(self.needs), "available_bytes": dict(self.available),
                 "weights_source": self.weights_source, "weights_path": self.weights_path,
-                "weights_write_bytes": self.weights_write, "why": self.why}
+                "weights_write_bytes": self.weights_write, "why": self.why,
+                "searched": self.searched}
 
 
-def _needs(fp: Footprint, res: Resources, weights: dict, staged: int, cache: dict,
+def needs(fp: Footprint, res: Resources, weights: dict, staged: int, cache: dict,
            gpu_reserve: int, cpu_reserve: int, in_files: bool = False, write: int = 0
            ) -> dict:
     """Bytes each device must hold: with CUDA the GPU computes (activations, staged layers,
@@ -271,7 +273,7 @@ def _needs(fp: Footprint, res: Resources, weights: dict, staged: int, cache: dic
     return need
 
 
-def _fits(need: dict, res: Resources) -> str | None:
+def fits(need: dict, res: Resources) -> str | None:
     """The first device that cannot hold its share, or None."""
     avail = {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}
     for d in DEVICES:
@@ -288,7 +290,7 @@ def _choose(fp: Footprint, res: Resources, heads: int, batch: int, gpu_reserve: 
 
     def need(w_gpu, w_cpu, cache):
         weights, staged = fp.weights_on(w_gpu, w_cpu)
-        return _needs(fp, res, weights, staged, cache, gpu_reserve, cpu_reserve, in_files,
+        return needs(fp, res, weights, staged, cache, gpu_reserve, cpu_reserve, in_files,
                       write)
 
     fast = "gpu" if res.cuda else "cpu"
@@ -303,7 +305,7 @@ def _choose(fp: Footprint, res: Resources, heads: int, batch: int, gpu_reserve: 
                       if need(w_gpu, q, none)["cpu"] <= avail["cpu"]), 0)
     options = [(100, 0), (0, 100), (0, 0)] if res.cuda else [(100, 0), (0, 0)]
     for cache_gpu, cache_cpu in options:
-        if _fits(need(w_gpu, w_cpu, fp.cache_on(cache_gpu, cache_cpu, heads, batch)),
+        if fits(need(w_gpu, w_cpu, fp.cache_on(cache_gpu, cache_cpu, heads, batch)),
                  res) is None:
             return Placement(w_gpu, w_cpu, cache_gpu, cache_cpu, 100, 0)
     return None
@@ -338,9 +340,11 @@ def _option(spec, cfg, res: Resources, fmt: WeightFormat, auto: bool):
     """(a Plan of `fmt` on this machine, auto or as cfg says, or None; and the shortfall of
     an explicit placement that cannot fit: (device, needs, available))."""
     spec = in_dtype(spec, fmt.dtype)
-    fp = footprint(spec, cfg.gpu_batch_size, fmt.groups,
-                   cfg.cache_groups if cfg.compress_cache else None)
-    heads, batch = cache_heads(spec), cfg.gpu_batch_size
+    # FlexGen keeps a cache per micro-batch: the block's sequences all hold one.
+    block = cfg.gpu_batch_size * getattr(cfg, "num_gpu_batches", 1)
+    fp = footprint(spec, block, fmt.groups, cfg.cache_groups if cfg.compress_cache else None,
+                   getattr(cfg, "work_tokens", None))
+    heads, batch = cache_heads(spec), block
     avail = {"gpu": res.gpu, "cpu": res.ram, "disk": res.disk}
     found, short = [], None
     for source, path, write in _sources(spec, fmt, res.cuda):
@@ -352,9 +356,9 @@ def _option(spec, cfg, res: Resources, fmt: WeightFormat, auto: bool):
             continue
         weights, staged = fp.weights_on(placement.w_gpu, placement.w_cpu)
         cache = fp.cache_on(placement.cache_gpu, placement.cache_cpu, heads, batch)
-        need = _needs(fp, res, weights, staged, cache, cfg.gpu_reserve_bytes,
+        need = needs(fp, res, weights, staged, cache, cfg.gpu_reserve_bytes,
                       cfg.cpu_reserve_bytes, in_files, write)
-        full = _fits(need, res)
+        full = fits(need, res)
         if full is None:
             found.append(Plan(placement, auto, spec.name, fmt, weights, cache, need, avail,
                               res, source, path, write))
@@ -430,7 +434,8 @@ def make_plan(spec, cfg, resources: Resources | None = None) -> Plan:
     tried = [_option(spec, cfg, res, f, auto) for f in formats]
     options = [plan for plan, _ in tried if plan is not None]
     if options:
-        return pick(options) if auto else options[0]
+        plan = pick(options) if auto else options[0]
+        return dataclasses.replace(plan, searched=cfg.searched) if cfg.searched else plan
     short = None
     if not auto and tried[0][1] is not None:
         placement, dev, need = tried[0][1]

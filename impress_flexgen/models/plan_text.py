@@ -36,7 +36,8 @@ def describe(plan) -> str:
     devices = ("gpu", "cpu", "disk") if res.cuda else ("cpu", "disk")
     usage = ", ".join(f"{names[d]} {size_text(plan.needs[d])} of {size_text(plan.available[d])}"
                       for d in devices)
-    head = (f"placement{' auto:' if plan.auto else ''} {plan.placement.describe()}; "
+    auto = " auto:" if plan.auto else " auto (policy search):" if plan.searched else ""
+    head = (f"placement{auto} {plan.placement.describe()}; "
             f"{plan.model} in {plan.format.describe()}")
     if not res.cuda:
         head += " (no CUDA: FlexGen's GPU is this CPU's memory)"
@@ -54,9 +55,10 @@ def describe(plan) -> str:
     third = f"weights: {size_text(total)} in {plan.format.name}, {source}"
     if plan.why:
         third += f"; {plan.why}"
+    searched = f"\n{plan.searched}" if plan.searched else ""
     return (f"{head}\nmemory plan: weights {where(plan.weights, res.cuda)}, KV cache up to "
             f"{where(plan.cache, res.cuda)}; needed of usable: {usage} "
-            f"(offload dir {res.offload_root})\n{third}")
+            f"(offload dir {res.offload_root})\n{third}{searched}")
 
 
 def why(chosen, options) -> str:

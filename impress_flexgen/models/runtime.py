@@ -43,7 +43,11 @@ class RuntimeConfig:
     compress_cache: bool = False
     weight_groups: Groups = Groups(64, 0)   # FlexGen's defaults: along a weight's rows,
     cache_groups: Groups = Groups(64, 2)    # along a KV head's channels
+    # FlexGen's block: sequences per micro-batch and micro-batches per block. The serving
+    # engine computes a decode step in micro-batches of gpu_batch_size only under the block
+    # schedule (ServiceConfig.throughput); otherwise a step's batch is computed whole.
     gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
     # Memory the caller will use beside the model (the store's GPU and CPU tiers): the
@@ -54,6 +58,11 @@ class RuntimeConfig:
     # free less a few GiB (placement.machine_resources).
     max_ram_bytes: int | None = None
     max_disk_bytes: int | None = None
+    # Throughput work: its prompt + new tokens (the cache and working memory are sized by
+    # them, not by the model's every position), and the policy search's choice and
+    # prediction, said in the plan line.
+    work_tokens: int | None = None
+    searched: str = ""
 
 
 @dataclasses.dataclass
@@ -97,7 +106,7 @@ def make_policy(cfg: RuntimeConfig):
     if isinstance(p, AutoPlacement):
         raise ValueError("make_policy needs a resolved placement (make_plan chooses one)")
     return Policy(
-        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=1,
+        gpu_batch_size=cfg.gpu_batch_size, num_gpu_batches=cfg.num_gpu_batches,
         w_gpu_percent=p.w_gpu, w_cpu_percent=p.w_cpu,
         cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
@@ -200,7 +209,7 @@ class Runtime:
         spec = spec if spec is not None else resolve_spec(cfg, False)
         # Planned (and refused if it cannot fit) before anything is allocated or written.
         self.plan: Plan = make_plan(spec, cfg)
-        if self.plan.auto or self.plan.weights_write:
+        if self.plan.auto or self.plan.weights_write or self.plan.searched:
             print(self.plan.describe(), flush=True)
         fmt = self.plan.format
         self.spec: ModelSpec = in_format(cfg, spec, fmt)
@@ -267,7 +276,7 @@ class Runtime:
 
         from flexgen.timer import timers
 
-        bs = self.policy.gpu_batch_size
+        bs = self.policy.gpu_batch_size * self.policy.num_gpu_batches
         new_ids, logits, prefill, decode = [], [], [], []
         for start in range(0, len(prompts), bs):
             group = prompts[start:start + bs]

@@ -1,0 +1,324 @@
+"""This machine's rates for the policy search's cost model, measured in seconds and cached
+beside RATES.json in the weights cache.
+
+    machine = measure_machine(cuda=torch.cuda.is_available())
+
+Reused from the planner's estimate (estimate.measure_rates): the compute dtype's product
+rate and the bytes a one-row product streams. Measured here, each the best of a few short
+runs: the time per weight element of products of 1, 4, 16 and 64 rows (a decode block's
+products are neither one row nor a prefill's many), over 128 MiB of matrices so that they
+come from memory, not the cache; 4-bit unpacking; reading FlexGen's disk files the way its
+copy threads do (memory maps of .npy files copied into new tensors by four threads at once:
+a fixed cost per file and a rate, from small and large files, so what is measured is what
+FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU" without
+CUDA; with CUDA the CPU-GPU link); how much a copy slows a product running beside it
+(`contention`: 0 for perfect overlap, 1 for none); one FlexGen layer's fixed cost, from
+decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches, what a
+small model's decode mostly is). With one CPU thread a product is timed by its thread's CPU
+time. At every call, not cached: the share of a core a busy thread gets now (other
+programs' load), which stretches every predicted second.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import paths
+from .costs import machine_key
+from .estimate import Rates, measure_rates
+
+CACHE_FILE = "MACHINE.json"
+CACHE_VERSION = 2   # 2: products over 128 MiB of matrices, disk read by four threads
+ROWS = (1, 4, 16, 64)
+_SIDE = 2048
+_MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, past the caches' share a program gets
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Rates the cost model predicts from (seconds and bytes)."""
+
+    cuda: bool
+    flops_per_s: float                  # a prefill's products (multiply-adds x 2)
+    bytes_per_s: float                  # weight bytes a one-row product streams
+    unpack_per_s: float                 # 4-bit values unpacked into the compute dtype
+    row_seconds: tuple[float, ...]      # per weight element, products of ROWS rows
+    disk_bytes_per_s: float             # FlexGen's disk reads (memory-mapped file copies)
+    disk_file_s: float                  # and the fixed cost of each file
+    link_bytes_per_s: float             # CPU -> compute device (a memory copy without CUDA)
+    layer_s: tuple[float, float]        # one FlexGen layer's fixed cost at batch 1 and 8
+    contention: float = 0.0             # the share of the shorter of read and compute lost
+    share: float = 1.0                  # of a core, what a busy thread gets now (other work)
+
+    def element_seconds(self, rows: int) -> float:
+        """Seconds per weight element of a product of `rows` rows: interpolated between
+        the measured row counts, past the last at the prefill's product rate."""
+        xs = np.array(ROWS, dtype=float)
+        ys = np.array(self.row_seconds)
+        if rows <= ROWS[-1]:
+            return float(np.interp(rows, xs, ys))
+        return float(ys[-1]) + 2.0 * (rows - ROWS[-1]) / self.flops_per_s
+
+    def layer_seconds(self, batch: int) -> float:
+        """A layer's fixed cost for a micro-batch of `batch` sequences (linear in it)."""
+        one, eight = self.layer_s
+        return max(one + (eight - one) * (batch - 1) / 7, 0.0)
+
+    def scaled(self, **rates: float) -> "Machine":
+        """This machine with some rates replaced (what the search would do elsewhere)."""
+        return dataclasses.replace(self, **rates)
+
+
+def _clock():
+    """The clock of a product: with one CPU thread computing, that thread's CPU time (what
+    the work takes, however the machine's load interleaves it, which Machine.share counts);
+    else the wall clock."""
+    if torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _best(fn, repeats: int = 5, sync=lambda: None, clock=time.perf_counter) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        sync()
+        best = min(best, clock() - t0)
+    return max(best, 1e-9)
+
+
+def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
+    """Seconds per weight element of a product of each of ROWS rows, over matrices that
+    together outgrow the CPU's caches (a decode step streams every weight from memory: one
+    matrix used again and again would be read from the cache)."""
+    gen = torch.Generator().manual_seed(0)
+    mats = [torch.randn(_SIDE // 2, 2 * _SIDE, generator=gen).to(device, dtype)
+            for _ in range(_MATRICES)]
+    out = []
+    for rows in ROWS:
+        x = torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype)
+        best = [float("inf")] * len(mats)
+        clock = _clock() if device == "cpu" else time.perf_counter
+        for _ in range(4):      # each product timed alone: short enough to run undisturbed
+            for i, w in enumerate(mats):
+                sync()
+                t0 = clock()
+                torch.nn.functional.linear(x, w)
+                sync()
+                best[i] = min(best[i], clock() - t0)
+        out.append(sum(best[1:]) / sum(w.numel() for w in mats[1:]))   # [0]: first touch
+    return tuple(out)
+
+
+COPY_THREADS = 4     # FlexGen's TorchDisk copy threads, reading files side by side
+FILES = 8
+
+
+def _disk(root) -> tuple[float, float]:
+    """(bytes/s, seconds per file) of FlexGen's disk reads: FILES .npy files of 256 KiB,
+    then of 8 MiB, each read through a memory map into a new tensor by COPY_THREADS threads
+    at once, as FlexGen's copy threads do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    where = root / f"machine-{os.getpid()}"
+    where.mkdir(parents=True, exist_ok=True)
+
+    def read(path):
+        torch.set_num_threads(1)
+        src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
+        torch.empty(src.shape, dtype=src.dtype).copy_(src)
+
+    try:
+        times = []
+        with ThreadPoolExecutor(COPY_THREADS) as pool:
+            for nbytes in (256 << 10, 8 << 20):
+                paths = [where / f"{nbytes}-{i}.npy" for i in range(FILES)]
+                for path in paths:
+                    np.save(path, np.ones(nbytes // 4, dtype=np.float32))
+                times.append((FILES * nbytes, FILES,
+                              _best(lambda: list(pool.map(read, paths)))))
+        (n0, f0, t0), (n1, _, t1) = times
+        rate = (n1 - n0) / max(t1 - t0, 1e-9)
+        return rate, max((t0 - n0 / rate) / f0, 1e-6)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _link(cuda: bool) -> float:
+    n = 32 << 20
+    src = torch.ones(n // 4)
+    if cuda:
+        src = src.pin_memory()
+        dst = torch.empty(n // 4, device="cuda")
+        return n / _best(lambda: dst.copy_(src, non_blocking=True), sync=torch.cuda.synchronize)
+    return n / _best(lambda: torch.empty(n // 4).copy_(src))
+
+
+def _contention(cuda: bool) -> float:
+    """How much of the shorter of a copy and a product is lost when they run together
+    (0: none, the step is their max; 1: their sum). A GPU's copies take no cores."""
+    if cuda:
+        return 0.0
+    w = torch.randn(_SIDE, 2 * _SIDE)
+    x = torch.randn(4, 2 * _SIDE)
+    src = torch.ones(4 << 20)
+
+    def product():
+        for _ in range(4):
+            torch.nn.functional.linear(x, w)
+
+    def copy():
+        torch.set_num_threads(1)    # as FlexGen's copy threads (cpu_threads.helper_thread)
+        for _ in range(4):
+            torch.empty_like(src).copy_(src)
+
+    def both():
+        t = threading.Thread(target=copy)
+        t.start()
+        product()
+        t.join()
+    threads = torch.get_num_threads()
+    lost = []
+    for _ in range(5):      # each trial pairs its three runs: the machine's load alike
+        alone_p = _best(product, 2)
+        alone_c = _best(lambda: _on_thread(copy), 2)
+        together = _best(both, 2)
+        lost.append((together - max(alone_p, alone_c)) / max(min(alone_p, alone_c), 1e-9))
+    torch.set_num_threads(threads)
+    return float(min(max(np.median(lost), 0.0), 1.0))
+
+
+def _on_thread(fn):
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def _layer_s() -> tuple[float, float]:
+    """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of opt-tiny
+    over its six layers (its products are a few thousand elements), the two batches taking
+    turns so that other work on the machine weighs on both alike."""
+    from contextlib import ExitStack
+
+    from flexgen.timer import timers
+
+    from ..models.placement import Placement
+    from ..models.runtime import Runtime, RuntimeConfig
+
+    with ExitStack() as stack:
+        runtimes = {b: stack.enter_context(Runtime(RuntimeConfig(
+            model="opt-tiny", placement=Placement(), gpu_batch_size=b, work_tokens=32,
+            max_ram_bytes=1 << 30))) for b in (1, 8)}
+        steps: dict[int, list[float]] = {1: [], 8: []}
+        for _ in range(3):
+            for b, rt in runtimes.items():
+                rt.generate([[5 + i + j for j in range(16)] for i in range(b)], 8)
+                steps[b] += timers("generate").costs[1:]      # the decode steps
+        layers = len(runtimes[1].model.layers)
+    return min(steps[1]) / layers, min(steps[8]) / layers
+
+
+def _unpack_per_s(dtype: torch.dtype) -> float:
+    """4-bit values unpacked per second, on a 1024 x 4096 matrix (the estimate's 4096 x 4096
+    takes long enough on a CPU that other programs' turns land in it, and the prediction
+    counts those apart: Machine.share)."""
+    from ..models import quant
+
+    w = torch.randn(_SIDE // 2, 2 * _SIDE, generator=torch.Generator().manual_seed(0))
+    data, scale = quant.compress(w, 64, 0)
+    return w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+                             clock=_clock())
+
+
+def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rates = measure_rates(dtype) if not cuda else _cuda_rates(dtype)
+    if not cuda:
+        rates = dataclasses.replace(rates, unpack_per_s=_unpack_per_s(dtype))
+    disk_rate, disk_file = _disk(paths.offload_dir())
+    return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
+                   _row_seconds(device, dtype, sync),
+                   disk_rate, disk_file, _link(cuda), _layer_s(), _contention(cuda))
+
+
+def _cuda_rates(dtype) -> Rates:
+    from ..models import quant
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 4096, generator=gen).to("cuda", dtype)
+    x = torch.randn(64, 4096, generator=gen).to("cuda", dtype)
+    sync = torch.cuda.synchronize
+    flops = 2 * 64 * w.numel() / _best(lambda: torch.nn.functional.linear(x, w), sync=sync)
+    streamed = w.numel() * w.element_size() / _best(
+        lambda: torch.nn.functional.linear(x[:1], w), sync=sync)
+    data, scale = quant.compress(w.float(), 64, 0)
+    unpack = w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+                               sync=sync)
+    return Rates(flops, streamed, unpack)
+
+
+def cpu_share(seconds: float = 0.25) -> float:
+    """The share of a core a busy thread gets now: its CPU time over the wall time of a
+    spin. Each rate above is the best of a few runs short enough to fit between other
+    programs' turns; a decode step is not, and on a shared machine takes 1 / share times
+    as long."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        sum(range(1000))
+    return min(max((time.thread_time() - c0) / (time.perf_counter() - t0), 0.05), 1.0)
+
+
+def measure_machine(cuda: bool | None = None, dtype: torch.dtype | None = None,
+                    use_cache: bool = True) -> Machine:
+    """This machine's rates: the cached ones when an earlier start measured them for the
+    same machine, torch and dtype; else measured now (about a second) and cached. The
+    share of a core (cpu_share) is measured at every call: it is the machine's load now."""
+    return dataclasses.replace(_rates(cuda, dtype, use_cache), share=cpu_share())
+
+
+def _rates(cuda: bool | None, dtype: torch.dtype | None, use_cache: bool) -> Machine:
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dtype = dtype or (torch.float16 if cuda else torch.float32)
+    key = machine_key("policy-search", "cuda" if cuda else "cpu", dtype)
+    path = paths.weights_dir() / CACHE_FILE
+    if use_cache:
+        try:
+            doc = json.loads(path.read_text())
+            entry = doc.get(key) if doc.get("version") == CACHE_VERSION else None
+            if entry is not None:
+                entry = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
+                return Machine(**entry)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    machine = _measure(cuda, dtype)
+    _write(path, key, machine)
+    return machine
+
+
+def _write(path, key: str, machine: Machine) -> None:
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != CACHE_VERSION:
+            doc = {}
+    except (OSError, ValueError, AttributeError):
+        doc = {}
+    doc["version"] = CACHE_VERSION
+    doc[key] = dataclasses.asdict(machine)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{CACHE_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,0 +1,34 @@
+"""experiments.bench_offload on a tiny OPT: every row's fields, ours and the peer's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+FIELDS = {"system", "dtype", "mode", "prefill_tokens_per_s", "decode_tokens_per_s",
+          "tokens_per_s", "step_s", "read_s", "compute_s", "batch", "peak_rss_gb",
+          "first_start_s", "next_start_s", "bytes_read", "predicted_tokens_per_s",
+          "page_cache"}
+
+
+@pytest.mark.slow
+def test_rows_of_every_system_and_mode(tmp_path):
+    from experiments import bench_offload
+
+    out = tmp_path / "offload.json"
+    assert bench_offload.main(["--model", "opt-tiny", "--prefix", "16", "--tokens", "3",
+                               "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+                               "--timeout", "600", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["mode"], r["batch"]) for r in rows] == [
+        ("ours", "sync", 1), ("ours", "overlap", 1), ("ours", "block", 4),
+        ("accelerate", "sync", 1), ("accelerate", "block", 4)]
+    for row in rows:
+        assert FIELDS <= set(row)
+        assert row["tokens_per_s"] > 0 and row["peak_rss_gb"] > 0
+        assert row["predicted_tokens_per_s"] is None or row["predicted_tokens_per_s"] > 0
+    for row in rows[:3]:
+        assert row["bytes_read"] > 0 and row["read_s"] > 0 and row["compute_s"] > 0
+        assert row["page_cache"] is torch.cuda.is_available()   # O_DIRECT on a CPU
+    assert rows[3]["offloaded"] is True            # the peer did offload to its disk folder
