@@ -131,6 +131,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from disk_layout.format import KV_FORMATS
 from impress_flexgen.bench.corpus import list_texts, passages
 from impress_flexgen.bench.runner import RunConfig, kl_divergence, summarize
 from impress_flexgen.engine import FamilyMath, Request, StoreSpec, assemble
@@ -419,6 +420,17 @@ class DecodeRun:
     budget: int | None = None
 
 
+def format_runs(formats, retentions) -> list[RunConfig]:
+    """Rows per store format (--kv-formats), tagged by it: every chunk loaded (`random` at
+    retention 1.0, a reader that is not exact, so it loads what an inexact format holds: the
+    format's cost alone) and impress at each retention. `full` (the reference, exact)
+    recomputes what a lossy format holds, so it is no row of a format."""
+    return [RunConfig("full", "full", 1.0), *(
+        r for f in formats for r in (
+            RunConfig(f"every chunk [{f}]", "random", 1.0, kv_format=f),
+            *(RunConfig(f"impress [{f}]", "impress", x, kv_format=f) for x in retentions)))]
+
+
 def decode_runs(budgets=DECODE_BUDGETS) -> list[DecodeRun]:
     """The decode-mode rows, their full-KV reference first. Retention 1.0: prefill loads the
     whole prefix (these policies subclass `full`); only the budget shapes decoding."""
@@ -472,7 +484,9 @@ def _run_key(run: RunConfig, heads: tuple[int, int]) -> tuple:
 class PrefixKV:
     """Each prefix's stored K/V as a cold serve writes it, computed once (see "Seeding")."""
 
-    def __init__(self, runtime: Runtime, tasks: Tasks, root: Path, progress=None):
+    def __init__(self, runtime: Runtime, tasks: Tasks, root: Path, progress=None,
+                 needed=None):
+        """`needed`: the prefixes the tasks run use (None: all)."""
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         cfg = ServingConfig(retention=1.0)
         policy = make_policy("full", cfg)
@@ -482,6 +496,8 @@ class PrefixKV:
         engine, store = stack.engine, stack.store
         try:
             for p, ids in enumerate(tasks.prefixes):
+                if needed is not None and p not in needed:
+                    continue
                 engine.serve(Request(ids, [ids[-1]], 1))          # the cold serve
                 match = store.match_prefix(ids)
                 try:
@@ -661,6 +677,7 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
                 loaded = moved / ref_moved if ref_moved else None
             out[task] = {
                 "policy": row["policy"], "label": run.label, "config": row["config"],
+                "kv_format": row["kv_format"],
                 "retention": None if decode else run.retention, "budget": budget,
                 "mode": mode, "task": task, "score": score,
                 "kl": 0.0 if is_ref else row["kl"],
@@ -670,6 +687,7 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
                 "kl_median": 0.0 if is_ref else row["kl_median"],
                 "read_amplification": row["read_amplification"],
                 "requests": row["queries"], "ttft_mean_s": row["ttft_mean_s"],
+                "bytes_read_total": row["bytes_read_total"],
                 "reorders": row["reorders"],
             }
         return out
@@ -724,10 +742,15 @@ def parse_args(argv):
                    help="serve every prefix cold in every configuration instead of seeding "
                         "each fresh store with the cold serve's K/V (same result, slower)")
     p.add_argument("--store-root", help="where stores go (default: the temp dir)")
+    p.add_argument("--kv-formats", help="comma-separated store formats (fp32, bf16, fp16, "
+                                        "int4): instead of the main grid, per format every "
+                                        "chunk loaded and impress at each retention")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--figure", metavar="PATH", help="PNG: score against retention per policy")
     args = p.parse_args(argv)
     args.tasks = choose_list(p, "--tasks", args.tasks, TASKS)
+    if args.kv_formats is not None:
+        args.kv_formats = choose_list(p, "--kv-formats", args.kv_formats, KV_FORMATS)
     try:
         args.retentions = (tuple(float(x) for x in args.retentions.split(","))
                            if args.retentions else ((0.25,) if args.quick else RETENTIONS))
@@ -755,6 +778,8 @@ def main(argv=None) -> int:
     do_sens = args.sensitivity or (not args.quick and not args.no_sensitivity)
     runs = main_runs(args.retentions, args.quick) if do_main else []
     decoded = decode_runs() if do_main else []
+    if args.kv_formats:
+        runs, decoded, do_sens = format_runs(args.kv_formats, args.retentions), [], False
     if args.only and do_main:
         keep = {x for x in args.only.split(",") if x}
         unknown = keep - {r.label for r in runs} - {d.run.label for d in decoded}
@@ -781,7 +806,9 @@ def main(argv=None) -> int:
         with Runtime(RuntimeConfig(model=args.model)) as rt:
             tasks = build_tasks(rt.tokenizer, settings)
             main_tasks = args.tasks if do_main else ["fidelity"]
-            total = len(tasks.prefixes) if not args.cold_serve else 0
+            # Only the prefixes of the tasks run are seeded.
+            needed = {p for task in main_tasks for p in tasks.prefixes_of(task)}
+            total = len(needed) if not args.cold_serve else 0
             total += sum(_requests(tasks, main_tasks, make_policy(r.policy).reuse)
                          for r in runs + [d.run for d in decoded])
             math_ = FamilyMath(rt.spec)
@@ -791,7 +818,7 @@ def main(argv=None) -> int:
             total += len(sens_keys) * _requests(tasks, ["fidelity"], True)
             results, sens_rows = [], []
             with tqdm(total=total, desc="requests", unit="req") as bar:
-                seeds = None if args.cold_serve else PrefixKV(rt, tasks, root, bar)
+                seeds = None if args.cold_serve else PrefixKV(rt, tasks, root, bar, needed)
                 ctx = RunContext(rt, tasks, root, seeds, {}, bar)
                 fidelity_of = {}      # configuration key -> its fidelity row
                 for run in runs:
@@ -866,7 +893,7 @@ def print_table(results, tasks) -> None:
         head += f"{'retr MC':>8}{'retr EM':>8}"
     if "fidelity" in tasks:
         head += f"{'fid KL':>8}{'top1':>7}{'ppl':>7}"
-    head += f"{'loaded%':>9}{'fallbk':>7}"
+    head += f"{'loaded%':>9}{'fallbk':>7}{'TTFT ms':>9}"
     print(head)
     for (label, r), rows in by.items():
         line = f"{label:<24}{_fmt(r, '6.2f'):>6}"
@@ -882,6 +909,7 @@ def print_table(results, tasks) -> None:
                      f"{x['perplexity']:>7.2f}")
         x = rows.get("fidelity") or rows[tasks[0]]      # bytes and fallbacks of one task
         line += f"{_fmt(_pct(x['bytes_loaded_fraction']), '8.1f'):>8}%{x['fallback_rate']:>7.2f}"
+        line += f"{1000 * x['ttft_mean_s']:>9.1f}"
         print(line)
     if any(r.get("mode") == "decode" for r in results):
         print("r -: decode mode, teacher-forced through decode steps; KL and top-1 against "

@@ -1,11 +1,13 @@
 """Time to first token per policy on a workload of reused natural-text prefixes.
 
-    python -m experiments.ttft [--model smollm2-135m] [--quick] [--json PATH]
+    python -m experiments.ttft [--model smollm2-135m] [--quick] [--kv-formats F,...] [--json PATH]
 
 Several prefixes, each reused by several queries; every configuration gets a fresh store,
 the same workload and the same tier capacities (smaller than the pool, so GPU tier, CPU
 tier and disk all serve). Disk reads are cold (O_DIRECT). KL is against `full` (all stored
 KV loaded) over the query tokens. All rows are measured side by side in one run.
+`--kv-formats fp16,int4`: instead, per store format every chunk loaded (`random` at
+retention 1.0; `full` is exact and recomputes a lossy format) and impress, beside `full`.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from disk_layout.format import KV_FORMATS
 from impress_flexgen.bench.workload import WorkloadConfig, build_workload
-from impress_flexgen.entrypoints.args import ArgumentParser, finite_float, write_json
+from impress_flexgen.entrypoints.args import ArgumentParser, choose_list, finite_float, write_json
 from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from impress_flexgen.tiers import TierConfig
@@ -47,6 +50,16 @@ def default_runs(retention: float, chunk_size: int) -> list[RunConfig]:
     ]
 
 
+def format_runs(formats, retention: float, chunk_size: int) -> list[RunConfig]:
+    """`full` (the compute dtype's store), then per store format every chunk and impress."""
+    return [RunConfig("full", "full", chunk_size=chunk_size), *(
+        r for f in formats for r in (
+            RunConfig(f"every chunk [{f}]", "random", 1.0, chunk_size=chunk_size, kv_format=f),
+            RunConfig(f"impress [{f}]", "impress:all", retention, granularity="chunk",
+                      threshold="none", probe_heads="auto", probe_format="int4",
+                      chunk_size=chunk_size, kv_format=f)))]
+
+
 def parse_args(argv):
     p = ArgumentParser(prog="python -m experiments.ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -63,9 +76,13 @@ def parse_args(argv):
     p.add_argument("--exclusive-tiers", action="store_true",
                    help="at most one memory copy of a chunk (default: non-exclusive tiers)")
     p.add_argument("--only", help="comma-separated labels of rows to run (full always runs)")
+    p.add_argument("--kv-formats", help="comma-separated store formats (fp32, fp16, bf16, "
+                                        "int4): rows per format instead of the policies")
     p.add_argument("--store-root", help="where the stores go (default: a temp dir on local disk)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if args.kv_formats is not None:
+        args.kv_formats = choose_list(p, "--kv-formats", args.kv_formats, KV_FORMATS)
     if args.quick:
         args.prefixes, args.prefix_tokens, args.queries = 2, 1024, 3
     if not 0 < args.retention <= 1:
@@ -75,7 +92,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = default_runs(args.retention, args.chunk_size)
+    runs = format_runs(args.kv_formats, args.retention, args.chunk_size) if args.kv_formats \
+        else default_runs(args.retention, args.chunk_size)
     if args.only:
         keep = set(args.only.split(",")) | {"full"}
         runs = [r for r in runs if r.label in keep]
@@ -110,13 +128,14 @@ def main(argv=None) -> int:
 
 def print_table(results) -> None:
     head = (f"{'config':<24}{'TTFT mean':>10}{'P99':>8}{'I/O s':>8}{'compute':>9}"
-            f"{'loaded%':>9}{'gpu hit':>8}{'fallbk':>7}{'KL':>8}")
+            f"{'loaded%':>9}{'KiB/req':>9}{'gpu hit':>8}{'fallbk':>7}{'KL':>8}")
     print(head)
     for r in results:
         kl = "-" if r["kl"] is None else f"{r['kl']:.4f}"
         print(f"{r['label']:<24}{r['ttft_mean_s']:>10.3f}{r['ttft_p99_s']:>8.3f}"
               f"{r['io_time_s']:>8.3f}{r['ttft_breakdown_s']['compute_s']:>9.3f}"
-              f"{100 * r['bytes_loaded_fraction']:>8.1f}%{r['gpu_hit_ratio']:>8.2f}"
+              f"{100 * r['bytes_loaded_fraction']:>8.1f}%"
+              f"{r['bytes_read_total'] / r['queries'] / 1024:>9.1f}{r['gpu_hit_ratio']:>8.2f}"
               f"{r['fallback_rate']:>7.2f}{kl:>8}")
 
 

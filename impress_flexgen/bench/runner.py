@@ -188,6 +188,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
     return {
         "policy": policy.name,
         "label": run.label,
+        "kv_format": store.shape.kv_format if store is not None else None,
         "config": {**dataclasses.asdict(run), **policy.describe()},
         "queries": len(rows),
         "ttft_mean_s": float(ttft.mean()),
@@ -202,6 +203,7 @@ def summarize(run: RunConfig, policy, rows, kls, top1, store) -> dict:
         "prefix_bytes_total": int(prefix_bytes),
         "bytes_read": loaded,
         "probe_bytes": probe,
+        "bytes_read_total": sum(loaded.values()) + probe,    # every tier, and probe keys
         "bytes_loaded_fraction": (sum(loaded.values()) + probe) / prefix_bytes
         if prefix_bytes else 0.0,
         "read_amplification": (sum(loaded.values()) + probe) / max(1, sum(r.bytes_needed

@@ -208,11 +208,12 @@ def add_serving_args(p: argparse.ArgumentParser, gpu_cache_default: str,
     g.add_argument("--chunk-size", type=int_range(16, 256), default=CHUNK_SIZE,
                    help=f"tokens per chunk, a multiple of 8 in 16-256 ({CHUNK_SIZE})")
     g.add_argument("--probe-format", choices=("int4", "fp16"), default="int4")
-    g.add_argument("--kv-format", choices=("fp32", "fp16", "bf16"), default=None,
+    g.add_argument("--kv-format", choices=("fp32", "fp16", "bf16", "int4"), default=None,
                    help="how the store keeps prefix K and V (default: the compute dtype, so "
                         "that a stored prefix gives the answer a recomputed one does); a "
                         "smaller format is inexact: exact policies (full) recompute what it "
-                        "holds")
+                        "holds; int4: 4-bit groups of 32 with an fp16 scale and minimum "
+                        "(5/16 of fp16's bytes)")
     g.add_argument("--reorder-interval", type=int_range(0), default=50,
                    help="queries between background reorders (policies that reorder; "
                         "0: never)")

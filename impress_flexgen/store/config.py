@@ -6,7 +6,8 @@ import dataclasses
 import hashlib
 import json
 
-from disk_layout.format import KV_FORMATS, LEGACY_KV_FORMAT, kv_dtype_name
+from disk_layout.format import (KV_FORMATS, LEGACY_KV_FORMAT, kv_bytes,
+                                kv_dtype_name, kv_format_fits)
 
 from ..errors import UserError
 
@@ -40,16 +41,18 @@ class ModelShape:
         if self.kv_format not in KV_FORMATS:
             raise UserError(f"unknown KV format {self.kv_format!r}; choose from "
                             f"{', '.join(KV_FORMATS)}")
+        if not kv_format_fits(self.kv_format, self.head_dim):
+            raise UserError(f"{self.kv_format} KV needs a head size that is a multiple of "
+                            f"4; {self.name} has {self.head_dim}")
 
-    @property
-    def kv_value_bytes(self) -> int:
-        """Bytes of one stored K or V value."""
-        return KV_FORMATS[self.kv_format].itemsize
+    def chunk_bytes(self, chunk_size: int) -> int:
+        """Stored bytes of one chunk's K (or V) of one layer."""
+        return kv_bytes(self.kv_format, self.n_kv_heads * chunk_size * self.head_dim)
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
         """Stored bytes of one token's K and V in one layer."""
-        return 2 * self.n_kv_heads * self.head_dim * self.kv_value_bytes
+        return 2 * kv_bytes(self.kv_format, self.n_kv_heads * self.head_dim)
 
     @property
     def short_id(self) -> str:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from disk_layout import io as dio
-from disk_layout.format import LayerFileLayout, crc32, encode_probe, probe_supported, section_image
+from disk_layout.format import (INT4_KV, LayerFileLayout, crc32, encode_probe, probe_supported,
+                                section_image)
 
 from ..errors import DiskFull, StoreWriteFailed
 from .radix import RadixNode
@@ -37,8 +38,10 @@ class LayerFiles:
         """Write one (node, layer) file in the physical order given by `mapping`, fsynced;
         returns its CRC-32s (probe, K chunks..., V chunks...)."""
         config = self.state.config
-        k = k_logical.detach().to(layout.kv_dtype).cpu()
-        v = v_logical.detach().to(layout.kv_dtype).cpu()
+        # int4 is encoded from the values as computed (section_image), the others are cast.
+        dtype = layout.kv_dtype if layout.kv_format != INT4_KV else k_logical.dtype
+        k = k_logical.detach().to(dtype).cpu()
+        v = v_logical.detach().to(dtype).cpu()
         if mapping is not None:
             order = torch.from_numpy(np.asarray(mapping, dtype=np.int64))
             k, v = k[:, order], v[:, order]

@@ -73,8 +73,7 @@ class PrefixStore:
 
     def __init__(self, directory: str | os.PathLike, shape: ModelShape,
                  config: StoreConfig = StoreConfig(), memory=None):
-        chunk_bytes = shape.n_kv_heads * config.chunk_size * shape.head_dim * \
-            shape.kv_value_bytes
+        chunk_bytes = shape.chunk_bytes(config.chunk_size)
         packed = packed_by_default(chunk_bytes) if config.packed is None else config.packed
         if any(h >= shape.n_kv_heads for h in config.probe_heads):
             raise UserError(f"probe heads {config.probe_heads} exceed {shape.n_kv_heads} KV heads")

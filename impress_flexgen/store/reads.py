@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from disk_layout import io as dio
-from disk_layout.format import ALIGN, align_up, decode_probe
+from disk_layout.format import ALIGN, align_up, decode_chunks, decode_probe
 from disk_layout.io import ChecksumMismatch
 
 from ..errors import CorruptNode
@@ -95,7 +95,7 @@ class DiskReads:
 
     def read_chunks(self, entry: LayerEntry, kind: str, chunk_ids, node=None) -> list[torch.Tensor]:
         """Physical chunks from disk (coalesced, CRC-checked): (heads, C, head_dim) each, in
-        the store's KV format.
+        the store's KV format (int4: each chunk's packed bytes; decode_chunks decodes).
 
         The tensors are views of the buffers the reads landed in (no copy): writable, and
         each keeps its run of adjacent chunks in memory while it lives (the tiers copy).
@@ -160,7 +160,7 @@ class DiskReads:
         offs: sorted chunk offsets. Returns (extents, checks, assemble(runs), bytes)."""
         lay = entry.layout
         stride = lay.chunk_stride
-        shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
+        shape = lay.chunk_shape
 
         def assemble(runs) -> list[torch.Tensor]:
             chunks: list[torch.Tensor] = []
@@ -193,7 +193,7 @@ class DiskReads:
         # CRCs are checked by the reader threads as each run lands.
         checks = [[(int(offs[j]) - lo, size, int(crcs[j]), j) for j in range(g0, g1)]
                   for (g0, g1), (lo, _) in zip(groups, extents)]
-        shape = (lay.n_kv_heads, lay.chunk_size, lay.head_dim)
+        shape = lay.chunk_shape
 
         def assemble(runs) -> list[torch.Tensor]:
             chunks: list[torch.Tensor] = []
@@ -210,10 +210,11 @@ class DiskReads:
         return extents, checks, assemble, sum(length for _, length in extents)
 
     def read_layer(self, entry: LayerEntry, node=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole K and V of a (node, layer) in logical order: (heads, n_tokens, head_dim)."""
+        """Whole K and V of a (node, layer) in logical order: (heads, n_tokens, head_dim),
+        in the store's KV format (int4: decoded to float32)."""
         ids = range(entry.layout.n_chunks)
-        k = torch.cat(self.read_chunks(entry, "k", ids, node), dim=1)
-        v = torch.cat(self.read_chunks(entry, "v", ids, node), dim=1)
+        k = torch.cat(decode_chunks(self.read_chunks(entry, "k", ids, node), entry.layout), 1)
+        v = torch.cat(decode_chunks(self.read_chunks(entry, "v", ids, node), entry.layout), 1)
         if entry.mapping is not None:
             to_physical = torch.from_numpy(entry.physical_of)
             k, v = k[:, to_physical], v[:, to_physical]

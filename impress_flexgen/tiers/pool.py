@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from disk_layout.format import LEGACY_KV_FORMAT, kv_dtype_name
+from disk_layout.format import LEGACY_KV_FORMAT, decode_int4_chunks, kv_dtype_name
 
 from .base import nbytes
 from .pool_offer import StoredOffers
@@ -160,7 +160,7 @@ class SharedPrefix:
         if n == 0 or start % c:
             return 0
         hashes = chunk_hashes(self.namespace_for(tenant), prefix)
-        dtype = self.namespace.torch_dtype
+        dtype = self.namespace.value_dtype
         return self.tier.publish(hashes, start // c,
                                  [(k[:, :n].to(dtype), v[:, :n].to(dtype)) for k, v in kv])
 
@@ -190,6 +190,11 @@ class GivenKV:
             raise SharedMiss(f"layer {layer}: {sum(c is None for c in chunks)} of "
                              f"{len(chunks)} shared chunks could not be fetched and checked")
         self.stats.bytes_read[self.pool.tier_name] += sum(nbytes(c) for c in chunks)
+        ns = self.pool.namespace
+        if ns.dtype == "int4":         # (n, 2, bytes) -> (n, 2, kv_heads, C, head_dim)
+            packed = torch.stack(chunks).view(-1, ns.value_shape[-1])
+            values = decode_int4_chunks(packed, ns.kv_values).view(len(chunks), 2, *ns.kv_values)
+            chunks = list(values.unbind(0))
         both = torch.cat(chunks, dim=2).to(device, dtype)     # (2, kv_heads, n, head_dim)
         return both[0], both[1]
 

@@ -144,7 +144,7 @@ class StoredOffers:
 
     def _read(self, segments, n_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) of every layer over the first n_tokens of the matched nodes (CRC-checked)."""
-        dtype = self.pool.namespace.torch_dtype
+        dtype = self.pool.namespace.value_dtype
         out = []
         for layer in range(self.pool.n_layers):
             ks, vs, got = [], [], 0

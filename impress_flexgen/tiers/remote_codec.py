@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from disk_layout.format import kv_bytes
+
 from ..errors import UserError
 from .base import nbytes
 
@@ -50,6 +52,7 @@ DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "float16": (1, torch.float16),
     "bfloat16": (2, torch.bfloat16),
     "float32": (3, torch.float32),
+    "int4": (4, torch.uint8),           # a store's int4 chunks (disk_layout.format), packed
 }
 # magic, layout version, dtype code, flags, 4-D shape | tag (CRC-32 padded, or HMAC-SHA256)
 _FIXED = struct.Struct("<4sBBH4I")
@@ -65,7 +68,7 @@ class RemoteNamespace:
     n_layers: int
     n_kv_heads: int
     head_dim: int
-    dtype: str  # "float16" | "bfloat16" | "float32"
+    dtype: str  # "float16" | "bfloat16" | "float32" | "int4"
     chunk_size: int
     fingerprint: str = ""   # the model's weights (two checkpoints of one name differ)
     tenant: str = ""        # who may read it: tenants never share an entry
@@ -93,8 +96,21 @@ class RemoteNamespace:
 
     @property
     def value_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one stored value: K and V of one chunk of one layer."""
+        """Shape of one stored value: K and V of one chunk of one layer (int4: each one's
+        packed bytes)."""
+        if self.dtype == "int4":
+            return (2, 1, 1, kv_bytes("int4", self.n_kv_heads * self.chunk_size * self.head_dim))
         return (2, self.n_kv_heads, self.chunk_size, self.head_dim)
+
+    @property
+    def kv_values(self) -> tuple[int, int, int]:
+        """(kv_heads, C, head_dim): the values of one chunk's K or V."""
+        return (self.n_kv_heads, self.chunk_size, self.head_dim)
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype publish() takes K and V in (int4: float32, encoded per chunk)."""
+        return torch.float32 if self.dtype == "int4" else self.torch_dtype
 
     def seed(self) -> bytes:
         """h_0 of the chain. JSON of a list keeps the encoding unambiguous for any name."""

@@ -16,6 +16,8 @@ import torch
 from .. import cpu_threads
 from ..errors import UserError
 from .base import payload_crc
+from disk_layout.format import encode_int4_chunks
+
 from .remote_codec import HEADER_SIZE, encode_value, layer_key, marker_key
 from .remote_link import PoolLink, log
 
@@ -85,8 +87,8 @@ class ChunkWriter(PoolLink):
         for k, v in kv:
             for t in (k, v):
                 if t.dim() != 3 or t.shape[0] != ns.n_kv_heads or t.shape[2] != ns.head_dim \
-                        or t.dtype != ns.torch_dtype:
-                    raise ValueError(f"publish: K and V must be {ns.dtype} "
+                        or t.dtype != ns.value_dtype:
+                    raise ValueError(f"publish: K and V must be {ns.value_dtype} "
                                      f"({ns.n_kv_heads}, n_tokens, {ns.head_dim}); got "
                                      f"{t.dtype} {tuple(t.shape)}")
             if n_tokens is None:
@@ -115,6 +117,8 @@ class ChunkWriter(PoolLink):
             sl = slice(j * c, (j + 1) * c)
             # (layers, 2, kv_heads, C, head_dim): a copy, so the caller may reuse its buffers.
             block = torch.stack([torch.stack((k[:, sl], v[:, sl])) for k, v in kv])
+            if ns.dtype == "int4":      # each layer's K and V as the store keeps them
+                block = encode_int4_chunks(block.flatten(0, 1)).view(-1, *ns.value_shape)
             if block.device.type != "cpu":
                 block = block.cpu()
             with self._cv:

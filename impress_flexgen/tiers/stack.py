@@ -5,6 +5,10 @@
     load = stack.submit(ChunkLoad(entry, {"k": ids, "v": ids}, ratios, node))
     chunks, served = stack.wait(load)   # {kind: chunks}; bytes per tier name, "disk_chunks"
 
+Every tier holds a chunk as the store keeps it (its KV format: int4 chunks as their packed
+bytes, so a memory tier of N bytes holds 3.2x more of them than of fp16); wait() hands
+back values ((heads, C, head_dim); int4 decoded to float32 on the chunk's device).
+
 Each tier is a `Tier` (base.py) and is called through submit_get/wait and put. A chunk the
 memory chain misses goes to the disk, asked by file (the load's entry, {kind: missed ids});
 what the disk returns is offered to the memory chain after (put, scored by the chunk's
@@ -21,6 +25,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+
+from disk_layout.format import decode_chunks
 
 from .base import ChunkLoad
 from .chain import DISK, ChunkCache, TierConfig
@@ -156,9 +162,11 @@ class TierStack:
                     # The CRC goes with the copy: checked before a promotion serves it.
                     # A node invalidated while this read was in flight is refused.
                     memory.put(pending.keys[j], tensor, pending.crc(j), pending.ratios[j])
+        # The tiers keep chunks as stored (int4: packed bytes); the caller gets values.
+        values = decode_chunks(pending.out, pending.load.entry.layout)
         chunks, at = {}, 0
         for kind, ids in pending.load.wanted.items():
-            chunks[kind] = pending.out[at:at + len(ids)]
+            chunks[kind] = values[at:at + len(ids)]
             at += len(ids)
         return chunks, pending.served
 
