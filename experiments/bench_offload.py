@@ -175,12 +175,23 @@ def prepare_peer(job: dict) -> dict:
     return {"weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
 
 
-class _DropPageCache:
-    """A logits processor that drops the offload folder's pages before every next step,
-    so the peer reads its offloaded weights from the disk, as ours does."""
+def _disk_read_bytes() -> int | None:
+    """The bytes this process has had read from the disk (Linux), else None."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
 
-    def __init__(self, folder: Path):
-        self.files = [p for p in folder.rglob("*") if p.is_file()]
+
+class _DropPageCache:
+    """A logits processor that drops the pages of the files the peer reads its offloaded
+    weights from before every next step, so that it reads them from the disk, as ours does.
+    accelerate offloads a safetensors checkpoint's weights where they are (its offload
+    folder stays empty): the checkpoint's files are dropped too."""
+
+    def __init__(self, *folders: Path):
+        self.files = [p for folder in folders for p in folder.rglob("*") if p.is_file()]
 
     def __call__(self, input_ids, scores):
         for path in self.files:
@@ -213,7 +224,8 @@ def accelerate(job: dict) -> dict:
     batch = job["batch"]
     prompts = _prompts(model.config.vocab_size, batch, job["prefix"])
     ids = torch.tensor([p + q for p, q in prompts], device="cuda" if cuda else "cpu")
-    drop = LogitsProcessorList([_DropPageCache(Path(job["dir"]) / "accelerate")])
+    drop = LogitsProcessorList([_DropPageCache(Path(job["dir"]) / "accelerate",
+                                               Path(job["hf_dir"]))])
     kw = dict(do_sample=False, pad_token_id=1, logits_processor=drop)
     with torch.no_grad():
         drop[0](None, None)
@@ -221,9 +233,10 @@ def accelerate(job: dict) -> dict:
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
         first = time.perf_counter() - t0
         drop[0](None, None)
-        t0 = time.perf_counter()
+        read, t0 = _disk_read_bytes(), time.perf_counter()
         model.generate(ids, max_new_tokens=job["tokens"], min_new_tokens=job["tokens"], **kw)
         total = time.perf_counter() - t0
+        read = None if read is None else _disk_read_bytes() - read
     steps = max(job["tokens"] - 1, 1)
     step_s = max(total - first, 1e-9) / steps
     return {"system": "accelerate", "model": job["model"], "dtype": "fp16" if cuda else "fp32",
@@ -233,7 +246,7 @@ def accelerate(job: dict) -> dict:
             "tokens_per_s": batch * job["tokens"] / total,
             "step_s": step_s, "read_s": None, "compute_s": None,
             "peak_rss_gb": _peak_rss_gb(), "first_start_s": starts[0],
-            "next_start_s": starts[1], "bytes_read": None, "page_cache": False,
+            "next_start_s": starts[1], "bytes_read": read, "page_cache": False,
             "predicted_tokens_per_s": None, "predicted_decode_tokens_per_s": None}
 
 

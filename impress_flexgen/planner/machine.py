@@ -35,7 +35,8 @@ from .costs import machine_key
 from .estimate import Rates, measure_rates
 
 CACHE_FILE = "MACHINE.json"
-CACHE_VERSION = 2   # 2: products over 128 MiB of matrices, disk read by four threads
+CACHE_VERSION = 3   # 2: products over 128 MiB of matrices, disk read by four threads;
+                    # 3: read past the page cache, as the runtime reads disk weights
 ROWS = (1, 4, 16, 64)
 _SIDE = 2048
 _MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, past the caches' share a program gets
@@ -124,19 +125,26 @@ COPY_THREADS = 4     # FlexGen's TorchDisk copy threads, reading files side by s
 FILES = 8
 
 
-def _disk(root) -> tuple[float, float]:
-    """(bytes/s, seconds per file) of FlexGen's disk reads: FILES .npy files of 256 KiB,
-    then of 8 MiB, each read through a memory map into a new tensor by COPY_THREADS threads
-    at once, as FlexGen's copy threads do."""
+def _disk(root, cuda: bool) -> tuple[float, float]:
+    """(bytes/s, seconds per file) of the runtime's disk weight reads: FILES .npy files of
+    256 KiB, then of 8 MiB, each read into a new tensor by COPY_THREADS threads at once, as
+    FlexGen's copy threads do: past the page cache (direct_read) where the runtime reads so
+    (weights loaded into CPU memory), through a memory map where FlexGen's own copy does."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from ..models import direct_read
 
     where = root / f"machine-{os.getpid()}"
     where.mkdir(parents=True, exist_ok=True)
 
     def read(path):
         torch.set_num_threads(1)
-        src = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
-        torch.empty(src.shape, dtype=src.dtype).copy_(src)
+        src = np.lib.format.open_memmap(path, mode="r+")
+        dst = torch.empty(src.shape, dtype=torch.float32)
+        if cuda:
+            dst.copy_(torch.from_numpy(np.asarray(src)))
+        else:
+            direct_read.read_npy(str(path), dst)
 
     try:
         times = []
@@ -246,7 +254,7 @@ def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
     rates = measure_rates(dtype) if not cuda else _cuda_rates(dtype)
     if not cuda:
         rates = dataclasses.replace(rates, unpack_per_s=_unpack_per_s(dtype))
-    disk_rate, disk_file = _disk(paths.offload_dir())
+    disk_rate, disk_file = _disk(paths.offload_dir(), cuda)
     return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
                    _row_seconds(device, dtype, sync),
                    disk_rate, disk_file, _link(cuda), _layer_s(), _contention(cuda))
