@@ -47,7 +47,7 @@ def runtime_memory_fields(args) -> dict:
     for flag in ("compress_weight", "compress_cache", "weight_groups", "cache_groups"):
         if getattr(args, flag, None) is not None:
             out[flag] = getattr(args, flag)
-    for flag in ("gpu_batch_size", "num_gpu_batches", "overlap"):
+    for flag in ("gpu_batch_size", "num_gpu_batches", "overlap", "cpu_cache_compute"):
         if getattr(args, flag, None) is not None:
             out[flag] = getattr(args, flag)
     for flag, field in (("max_ram_gb", "max_ram_bytes"), ("max_disk_gb", "max_disk_bytes")):

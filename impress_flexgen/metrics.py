@@ -88,6 +88,24 @@ class _WeightCounters:
                                   value=self.stream.wait_s)
 
 
+class _KVHomeCounters:
+    """The decode context read back from the disk since start (engine.kv_home: the cache
+    percentages' disk share), and the time decode steps waited for it, as counters."""
+
+    def __init__(self, home) -> None:
+        self.home = home
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("impress_flexgen_decode_kv_disk_bytes_read", "Decode "
+                                  "context bytes read back from the disk",
+                                  value=self.home.bytes_read)
+        yield CounterMetricFamily("impress_flexgen_decode_kv_disk_wait_seconds", "Time "
+                                  "decode steps waited for their context from the disk",
+                                  value=self.home.wait_s)
+
+
 class ServiceMetrics:
     def __init__(self, queue, scheduler, engine, store) -> None:
         """`queue`: the service's queue (its length is read at each scrape); `scheduler`,
@@ -183,6 +201,9 @@ class ServiceMetrics:
         stream = getattr(getattr(engine, "runner", None), "weights", None)
         if stream is not None:
             r.register(_WeightCounters(stream))
+        home = getattr(getattr(engine, "runner", None), "kv_home", None)
+        if home is not None:
+            r.register(_KVHomeCounters(home))
 
     def _hit_ratio(self, tier: str) -> float:
         if self.store is None or self.store.tiers.cache is None:

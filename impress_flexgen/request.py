@@ -95,6 +95,10 @@ class RequestStats:
     # device would have to move each step).
     decode_bytes_per_step: float = 0.0
     decode_select_s: float = 0.0     # decode-phase page selection, all steps
+    # Decode context on the disk (the cache percentages' disk share, engine.kv_home): bytes
+    # read back over all steps, and the time the steps waited for those reads.
+    kv_disk_bytes: int = 0
+    kv_disk_wait_s: float = 0.0
     index_build_s: float = 0.0       # building the decode-phase pages and index after prefill
     index_recall: float | None = None  # when measured (DecodeConfig.recall_k)
 

@@ -379,6 +379,7 @@ class Service:
                  "layers": st.layers if st.matched_tokens else 0,
                  "decode_s_per_token": st.decode_s_per_token,
                  "weight_bytes": st.weight_bytes, "weight_wait_s": st.weight_wait_s,
+                 "kv_disk_bytes": st.kv_disk_bytes, "kv_disk_wait_s": st.kv_disk_wait_s,
                  "plan": st.plan if st.matched_tokens else None, "plan_split": st.plan_split,
                  "plan_reason": st.plan_reason if st.matched_tokens else None,
                  "predicted_ttft_s": st.predicted_ttft_s, "shared_tokens": st.shared_tokens,

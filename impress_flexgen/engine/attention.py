@@ -251,18 +251,21 @@ class SideBySide:
 
     def hold(self, seqs: list, n_head: int) -> bool:
         """Lay out `seqs` side by side (if not already); False when they cannot be: one
-        sequence alone, one whose decode-phase policy attends its own pages, or one whose
-        context is compressed (sequence.CompressedKV)."""
+        sequence alone, or one whose decode-phase policy attends its own pages. A layer
+        where a context is not a LayerKV on the compute device (compressed: sequence.py;
+        in CPU memory or on disk: kv_home.py) is left out (`holds`)."""
         if len(seqs) < 2 or any(s.pages is not None or s.kv is None or
-                                any(kv is None or not isinstance(kv, LayerKV) for kv in s.kv)
-                                for s in seqs):
+                                any(kv is None for kv in s.kv) for s in seqs):
             self.seqs, self.layers = [], []
             return False
         if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
-            return True
+            return bool(self.layers)
         self.layers = []
         for j in range(len(seqs[0].kv)):
             ctx = [s.kv[j] for s in seqs]
+            if not all(type(kv) is LayerKV for kv in ctx):
+                self.layers.append(None)
+                continue
             n_kv, _, d = ctx[0].k.shape
             cap = max(kv.k.shape[1] for kv in ctx)
             like = ctx[0].k
@@ -278,8 +281,14 @@ class SideBySide:
             bias.masked_fill_(~mask, float("-inf"))
             lengths = torch.tensor([kv.n for kv in ctx], device=like.device)
             self.layers.append([keys, values, mask, bias, lengths, max(kv.n for kv in ctx)])
+        if all(held is None for held in self.layers):
+            self.seqs, self.layers = [], []
+            return False
         self.seqs = list(seqs)
         return True
+
+    def holds(self, layer: int) -> bool:
+        return self.layers[layer] is not None
 
     def forget(self, seq) -> None:
         """A member is done: the buffers go with the batch, not with the next step."""

@@ -117,7 +117,9 @@ class Engine:
         m = self.math
         elsize = torch.finfo(self.dtype).bits // 8 if self.device.type != "cpu" else 4
         return Scheduler(
-            config, kv_bytes_per_token=2 * m.n_layers * m.n_kv_head * m.head_dim * elsize,
+            # Only the layers whose decode context stays in the compute device's memory.
+            config, kv_bytes_per_token=2 * self.runner.kv_home.held_layers * m.n_kv_head *
+            m.head_dim * elsize,
             # float32 logits a query row holds while it is scored (or kept: query_logits)
             logits_bytes_per_row=4 * self.rt.spec.config.vocab_size,
             kv_budget=config.kv_budget_bytes if config.kv_budget_bytes is not None
@@ -140,6 +142,7 @@ class Engine:
         if self.planner is not None:
             self.planner.close()
         self.writer.wait_idle()
+        self.runner.kv_home.close()
         if self.shared is not None:
             self.shared.tier.close()
 

@@ -33,8 +33,9 @@ from ..models.base import dense
 from ..models.runtime import Runtime
 from ..request import RequestStats
 from ..sampling import Sampler
-from .attention import attend, attend_context, plan_rows
+from .attention import attend, plan_rows
 from .family import FamilyMath
+from .kv_home import KVHome
 from .lane import Lane
 from .prefix_kv import PrefixKV
 from .scores import score_hidden, step_scores
@@ -91,6 +92,7 @@ class Runner:
         self.side = Sides()
         self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
         self.weights = WeightStream(self.model, device, runtime.cfg.overlap)
+        self.kv_home = KVHome.of(runtime, math.n_layers, device)   # decode contexts' homes
         # The block schedule (--throughput): a decode step's sequences computed in
         # micro-batches of this many, layer by layer (FlexGen's zig-zag order), each layer's
         # weights brought once for all of them; None: the whole batch at once.
@@ -343,13 +345,13 @@ class Runner:
     # -- decode ------------------------------------------------------------------------------
     def start_decode(self, seq, kept) -> None:
         """The sequence's decode context: pages of a decode-phase policy, or per layer the
-        kept K, V and mask with room for the tokens to come."""
+        kept K, V and mask with room for the tokens to come, at the layer's home."""
         t0 = time.perf_counter()
         seq.pages = self.policy.start_decode(kept, self.math.n_head, self.device)
-        extra = seq.request.max_new_tokens - 1
-        seq.kv = [None if seq.pages is not None and seq.pages.handles(layer) else
-                  decode_context(*kept[layer], extra, self.group, self.flex_policy)
-                  for layer in range(self.math.n_layers)]
+        extra, group = seq.request.max_new_tokens - 1, self.group
+        seq.kv = self.kv_home.contexts(
+            kept, extra, group, lambda *kv: decode_context(*kv, extra, group, self.flex_policy),
+            lambda layer: seq.pages is not None and seq.pages.handles(layer))
         seq.decode_s = time.perf_counter() - t0
 
     def decode(self, seqs: list) -> list[Picked]:
@@ -362,13 +364,15 @@ class Runner:
         self.load_weights(0, stats, ahead=1)
         self._each(0, [(hidden, mask) for hidden, mask, *_ in steps])
         ropes = [self.math.rope(pos, h.val.data.dtype) for h, _, pos, _ in steps]
+        self.kv_home.start(seqs, 0)
         for layer in range(self.math.n_layers):
+            self.kv_home.start(seqs, layer + 1)   # disk contexts read while this computes
             j = 1 + 2 * layer
             weights = self.load_weights(j, stats, ahead=j + 1)
             for part, (hidden, _, positions, side), rope in zip(parts, steps, ropes):
                 x = hidden.val.data
                 q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
-                if side is not None:
+                if side is not None and side.holds(layer):
                     attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
                 else:
                     outs = [self._decode_attention(s, layer, q[i:i + 1], k_new[i], v_new[i])
@@ -438,4 +442,5 @@ class Runner:
         if s.pages is not None and s.pages.handles(layer):
             keys, values, mask = s.pages.attend_set(layer, q[0, :, 0], k_new, v_new)
             return self.attend(q, keys, values, mask, causal_tail=1)
-        return attend_context(s.kv[layer], q, k_new, v_new, self.work, self.group > 1)
+        return self.kv_home.attend(s.kv[layer], q, k_new, v_new, self.work, self.group > 1,
+                                   s.stats)

@@ -321,6 +321,10 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None,
     c.add_argument("--num-gpu-batches", type=int_range(1), default=None, metavar="N",
                    help="FlexGen's micro-batches per block: a block of --gpu-batch-size x N "
                         "sequences shares each layer's weight load (1; --throughput: 8)")
+    c.add_argument("--cpu-cache-compute", action="store_true", default=None,
+                   help="attention over the KV cache's CPU share computed on the CPU, as "
+                        "FlexGen's cpu_cache_compute (default: copied to the GPU per layer); "
+                        "the cache's shares are --placement's CACHE_GPU and CACHE_CPU")
     c.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="read the next layer's weights while this one computes (default); "
                         "--no-overlap reads each layer when it is needed (to compare)")

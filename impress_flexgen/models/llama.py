@@ -344,8 +344,6 @@ class LlamaOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
 
 def check_policy(config, policy) -> None:
     check_compressed_cache(policy)
-    if policy.cpu_cache_compute:
-        raise UserError("--cpu-cache-compute is not supported for Llama models")
     if policy.attn_sparsity < 1.0:
         raise UserError("attention sparsity is not supported for Llama models")
 

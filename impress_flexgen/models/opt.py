@@ -125,11 +125,11 @@ class OptSelfAttention(flex_opt.SelfAttention):
 
 
 def check_policy(config: OptConfig, policy) -> None:
-    # Compression works in any dtype (compat routes it through quant.py); these two are
-    # FlexGen's fp16 kernels.
-    if config.dtype != np.float16 and (policy.attn_sparsity < 1.0 or policy.cpu_cache_compute):
-        raise UserError("FlexGen's sparse attention and CPU cache compute need fp16 "
-                        "(--dtype fp16)")
+    # Compression works in any dtype (compat routes it through quant.py); sparse attention
+    # is FlexGen's fp16 kernel. CPU cache compute is checked where FlexGen's loop runs
+    # (Runtime.generate): the serving engine's decode computes it in any dtype.
+    if config.dtype != np.float16 and policy.attn_sparsity < 1.0:
+        raise UserError("FlexGen's sparse attention kernels need fp16 (--dtype fp16)")
     check_compressed_cache(policy)
 
 

@@ -49,6 +49,9 @@ class RuntimeConfig:
     gpu_batch_size: int = 1
     num_gpu_batches: int = 1
     attn_sparsity: float = 1.0    # FlexGen's top-k attention in decode (OPT only); 1: dense
+    # Attention over a KV cache in CPU memory computed on the CPU (FlexGen's), not copied to
+    # the GPU: the serving engine's decode context and FlexGen's loop (OPT in fp16).
+    cpu_cache_compute: bool = False
     max_seq_len: int | None = None  # more positions (random weights only: OPT's table grows)
     # Memory the caller will use beside the model (the store's GPU and CPU tiers): the
     # placement plan leaves it free.
@@ -111,7 +114,8 @@ def make_policy(cfg: RuntimeConfig):
         cache_gpu_percent=p.cache_gpu, cache_cpu_percent=p.cache_cpu,
         act_gpu_percent=p.act_gpu, act_cpu_percent=p.act_cpu,
         overlap=cfg.overlap, sep_layer=cfg.sep_layer,
-        pin_weight=torch.cuda.is_available(), cpu_cache_compute=False, attn_sparsity=cfg.attn_sparsity,
+        pin_weight=torch.cuda.is_available(), cpu_cache_compute=cfg.cpu_cache_compute,
+        attn_sparsity=cfg.attn_sparsity,
         compress_weight=bool(cfg.compress_weight),
         comp_weight_config=CompressionConfig(num_bits=4, group_size=cfg.weight_groups.size,
                                              group_dim=cfg.weight_groups.dim, symmetric=False),
@@ -270,6 +274,10 @@ class Runtime:
         if prompt_len + max_new_tokens > config.max_seq_len:
             raise UserError(f"{prompt_len} prompt + {max_new_tokens} new tokens exceed "
                             f"{config.name}'s {config.max_seq_len} positions")
+        if self.policy.cpu_cache_compute and (self.spec.family != "opt" or
+                                              config.dtype != np.float16):
+            raise UserError("FlexGen's own loop computes CPU cache attention for OPT in fp16 "
+                            "only; --cpu-cache-compute serves any model in the engine")
         bad = [i for p in prompts for i in p if not 0 <= i < config.vocab_size]
         if bad:
             raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
