@@ -267,20 +267,21 @@ def _child(kind: str, job: dict, timeout_s: float) -> dict:
 
 
 def plan(args) -> list[tuple[str, dict]]:
-    """(worker, job) per row, in the order measured."""
+    """(worker, job) per row, in the order measured: each of the peer's rows right after
+    ours at the same batch, so that a machine whose load changes meets both alike."""
     size, n = args.gpu_batch_size, args.num_gpu_batches
     block = size * n
     rows = []
     for model, offload in args.models:
         base = {"model": model, "offload": offload, "prefix": args.prefix,
                 "tokens": args.tokens, "gpu_batch_size": 1, "num_gpu_batches": 1}
+        peer = offload and not args.no_peer
         rows += [("ours", {**base, "mode": "sync", "batch": 1}),
-                 ("ours", {**base, "mode": "overlap", "batch": 1}),
-                 ("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
+                 ("ours", {**base, "mode": "overlap", "batch": 1})]
+        rows += [("accelerate", {**base, "mode": "sync", "batch": 1})] if peer else []
+        rows += [("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
                            "num_gpu_batches": n})]
-        if offload and not args.no_peer:
-            rows += [("accelerate", {**base, "mode": "sync", "batch": 1}),
-                     ("accelerate", {**base, "mode": "block", "batch": block})]
+        rows += [("accelerate", {**base, "mode": "block", "batch": block})] if peer else []
     return rows
 
 

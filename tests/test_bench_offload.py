@@ -22,13 +22,13 @@ def test_rows_of_every_system_and_mode(tmp_path):
                                "--timeout", "600", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["mode"], r["batch"]) for r in rows] == [
-        ("ours", "sync", 1), ("ours", "overlap", 1), ("ours", "block", 4),
-        ("accelerate", "sync", 1), ("accelerate", "block", 4)]
+        ("ours", "sync", 1), ("ours", "overlap", 1), ("accelerate", "sync", 1),
+        ("ours", "block", 4), ("accelerate", "block", 4)]
     for row in rows:
         assert FIELDS <= set(row)
         assert row["tokens_per_s"] > 0 and row["peak_rss_gb"] > 0
         assert (row["predicted_tokens_per_s"] is None) == (row["system"] == "accelerate")
-    for row in rows[:3]:
+    for row in (r for r in rows if r["system"] == "ours"):
         assert row["bytes_read"] > 0 and row["read_s"] > 0 and row["compute_s"] > 0
         assert row["page_cache"] is torch.cuda.is_available()   # O_DIRECT on a CPU
-    assert rows[3]["offloaded"] is True            # the peer did offload to its disk folder
+    assert rows[2]["offloaded"] is True            # the peer did offload to its disk folder
