@@ -18,7 +18,8 @@ peer's sync and block are one request and all of them batched), prefill / decode
 generated tokens per second, `step_s` (a decode step), `read_s` and `compute_s` (a decode
 step's weight read and its compute, each measured alone: the same step again with reads
 not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
-and `next_start_s` (building the model with its weights written, then reused),
+and `next_start_s` (building the model with its weights written, then reused; ours: one
+weights cache per model for its rows, made by the first),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
 weights could come from the page cache), `predicted_tokens_per_s` and
 `predicted_decode_tokens_per_s` (the policy search's prediction for the row's policy, on the
@@ -295,9 +296,9 @@ WORKERS = {"ours": ours, "accelerate": accelerate, "prepare": prepare_peer}
 
 def _child(kind: str, job: dict, timeout_s: float) -> dict:
     """One measurement in a process of its own (its own peak RSS)."""
-    # A weights cache of its own: the first start makes the weights, the next reuses them.
-    env = {**os.environ, "IMPRESS_FLEXGEN_PROGRESS": "0",
-           "IMPRESS_FLEXGEN_CACHE": str(Path(job["dir"]) / "cache")}
+    # A weights cache per model, shared by its rows (a large model's weights are written
+    # once): the first row's first start makes the weights, every other start reuses them.
+    env = {**os.environ, "IMPRESS_FLEXGEN_PROGRESS": "0", "IMPRESS_FLEXGEN_CACHE": job["cache"]}
     out = subprocess.run([sys.executable, "-m", "experiments.bench_offload", "--worker", kind,
                           json.dumps(job)], capture_output=True, text=True, timeout=timeout_s,
                          env=env)
@@ -360,9 +361,10 @@ def main(argv=None) -> int:
     machine = measure_machine()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
-        hf = {}
+        hf, first_starts = {}, {}
         for kind, job in plan(args):
-            job = {**job, "dir": tempfile.mkdtemp(dir=tmp)}
+            job = {**job, "dir": tempfile.mkdtemp(dir=tmp),
+                   "cache": str(Path(tmp) / f"cache-{job['model']}-{job['dtype']}")}
             if kind == "accelerate":
                 key = job["model"]
                 if key not in hf:
@@ -372,6 +374,10 @@ def main(argv=None) -> int:
             row = _child(kind, job, args.timeout)
             if kind == "ours":
                 row.update(predicted(job, machine))
+                # The start that made the weights is the first row's; later rows' first
+                # start found them made.
+                made = first_starts.setdefault(job["cache"], row["first_start_s"])
+                row["first_start_s"] = made
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
