@@ -12,8 +12,8 @@ the next layer's read behind this one's compute). Each row in a process of its o
 
 Rows: `cache` (memory, disk), `decode_tokens_per_s` (tokens generated after the first, per
 second of decode steps), `step_s` (median decode step), `kv_gb` (the decode contexts' K and
-V at the last step), `decode_rss_gb` (the process's RSS after the last decode step, freed
-heap returned first: what decoding holds), `peak_rss_gb` (prefill included: a prefill pass
+V at the last step), `decode_rss_gb` (the largest RSS after a decode step while the
+contexts are held, freed heap returned first: what decoding holds), `peak_rss_gb` (prefill included: a prefill pass
 holds its layers' K and V in memory wherever they go after it), `kv_disk_bytes` (context
 bytes read back from the disk, all requests), `kv_disk_wait_s` (per request, the time its
 steps waited for them) and `same_tokens` (the row's tokens equal the first row's); rows
@@ -76,14 +76,16 @@ def worker(job: dict) -> dict:
         engine.step()                        # the prefill pass and the first tokens
         made, steps = sum(len(s.tokens) for s in seqs), []
         m = engine.math
-        record, kv = 2 * m.n_kv_head * m.head_dim * engine.dtype.itemsize, 0  # a token's K, V
+        record = 2 * m.n_kv_head * m.head_dim * engine.dtype.itemsize    # a token's K and V
+        kv, decode_rss = 0, 0.0
         while not all(s.finished for s in seqs):
             kv = sum(ctx.n for s in seqs if s.kv for ctx in s.kv) * record
             t = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t)
-        gc.collect()
-        decode_rss = _rss_gb()
+            if not all(s.finished for s in seqs):      # the contexts are still held
+                gc.collect()
+                decode_rss = max(decode_rss, _rss_gb())
         stats = [s.result().stats for s in seqs]
         engine.close()
         tokens = [s.result().tokens for s in seqs]

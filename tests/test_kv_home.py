@@ -143,7 +143,7 @@ def test_a_disk_context_is_not_held_in_memory(tmp_path):
     held, in_memory = grown(lambda k, v, mask: LayerKV(k, v, mask, 4, 1))
     del held
     gc.collect()
-    file = SeqFile(tmp_path, 1, m + 4, 2 * kv * d * 4)
+    file = SeqFile(tmp_path, 1, m + 4, kv, d, 4)
     ctx, on_disk = grown(lambda k, v, mask: DiskKV(file, 0, k, v, mask, 4, 1,
                                                   torch.device("cpu")))
     assert in_memory > 0.9 * size

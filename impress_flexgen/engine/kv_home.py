@@ -48,35 +48,47 @@ def layer_homes(cache_gpu: float, cache_cpu: float, n_layers: int) -> list[str]:
 
 
 class SeqFile:
-    """One sequence's disk-homed layers in one file: region r holds disk layer r's tokens,
-    each record a token's K then V (2, KV, d), `cap` records per region. Removed when the
-    sequence's context is dropped (or at the latest with the offload directory)."""
+    """One sequence's disk-homed layers in one file: region r holds disk layer r's K then V,
+    each (KV, cap, d) head by head, so that a head's positions 0..n are one run: a step
+    reads a layer back as 2 * KV runs straight into the (2, KV, n, d) it attends over (a
+    token-major record would need a transpose, and attention over a transposed view is
+    several times slower). Removed when the sequence's context is dropped (or at the latest
+    with the offload directory)."""
 
-    def __init__(self, root: Path, regions: int, cap: int, record: int):
+    def __init__(self, root: Path, regions: int, cap: int, heads: int, head_dim: int,
+                 elsize: int):
         self.path = root / f"{uuid.uuid4().hex}.kv"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self.cap, self.record = cap, record
-        os.ftruncate(self.fd, regions * cap * record)
+        self.cap, self.heads, self.row = cap, heads, head_dim * elsize
+        self.record = 2 * heads * self.row          # a token's K and V, in bytes
+        os.ftruncate(self.fd, regions * cap * self.record)
         self._gone = weakref.finalize(self, _remove, self.fd, self.path)
 
+    def _run(self, region: int, part: int, at: int) -> int:
+        """Offset of position `at` of run `part` (K heads, then V heads) of a region."""
+        return ((region * 2 * self.heads + part) * self.cap + at) * self.row
+
     def write(self, region: int, at: int, data: torch.Tensor) -> None:
-        """Records at..at + len(data) of a region from `data` (t, 2, KV, d) on the CPU."""
+        """Positions at..at + t of a region from `data` (2, KV, t, d) on the CPU."""
         raw = data.contiguous().view(torch.uint8).numpy()
-        offset = (region * self.cap + at) * self.record
-        view = memoryview(raw).cast("B")
-        while view:
-            done = os.pwrite(self.fd, view, offset)
-            view, offset = view[done:], offset + done
+        for part, run in enumerate(raw.reshape(2 * self.heads, -1)):
+            view, offset = memoryview(run), self._run(region, part, at)
+            while view:
+                done = os.pwrite(self.fd, view, offset)
+                view, offset = view[done:], offset + done
 
     def read(self, region: int, into: torch.Tensor) -> None:
-        """The region's first len(into) records into `into` (t, 2, KV, d) on the CPU."""
-        view = memoryview(into.view(torch.uint8).numpy()).cast("B")
-        offset = region * self.cap * self.record
-        while view:
-            done = os.preadv(self.fd, [view], offset)
-            if done <= 0:
-                raise OSError(f"decode context file {self.path} ended early")
-            view, offset = view[done:], offset + done
+        """The region's first n positions into `into` (2, KV, n, d) on the CPU (a view of
+        a larger buffer: each (i, h) row contiguous)."""
+        for part in range(2 * self.heads):
+            view = memoryview(into[part // self.heads, part % self.heads].view(
+                torch.uint8).numpy()).cast("B")
+            offset = self._run(region, part, 0)
+            while view:
+                done = os.preadv(self.fd, [view], offset)
+                if done <= 0:
+                    raise OSError(f"decode context file {self.path} ended early")
+                view, offset = view[done:], offset + done
 
     def close(self) -> None:
         self._gone()
@@ -113,16 +125,16 @@ class DiskKV:
 
     def _write(self, keys, values) -> None:
         """Append K, V (KV, t, d) to the file."""
-        rows = torch.stack([keys, values]).permute(2, 0, 1, 3).to("cpu")   # (t, 2, KV, d)
+        rows = torch.stack([keys, values]).to("cpu")          # (2, KV, t, d)
         self.file.write(self.region, self.n, rows)
-        self.n += rows.shape[0]
+        self.n += rows.shape[2]
 
     def read(self) -> tuple[torch.Tensor, int]:
-        """The context read back, (n + 1, 2, KV, d) on the CPU with its last row free for the
-        step's token, and the bytes read."""
-        buf = torch.empty((self.n + 1, *self.shape), dtype=self.dtype,
+        """The context read back, (2, KV, n + 1, d) on the CPU with its last position free
+        for the step's token, and the bytes read."""
+        buf = torch.empty((2, self.shape[1], self.n + 1, self.shape[2]), dtype=self.dtype,
                           pin_memory=self.device.type == "cuda")
-        self.file.read(self.region, buf[:self.n])
+        self.file.read(self.region, buf[:, :, :self.n])
         return buf, self.n * self.file.record
 
     def start(self, pool) -> None:
@@ -134,17 +146,16 @@ class DiskKV:
         t0 = time.perf_counter()
         buf, nbytes = self.pending.result() if self.pending is not None else self.read()
         self.pending = None
-        if buf.shape[0] != self.n + 1:       # read ahead for a step that failed: stale
+        if buf.shape[2] != self.n + 1:       # read ahead for a step that failed: stale
             buf, nbytes = self.read()
         stats.kv_disk_wait_s += time.perf_counter() - t0
         stats.kv_disk_bytes += nbytes
-        buf[self.n, 0], buf[self.n, 1] = k_new[:, 0], v_new[:, 0]
+        buf[0, :, self.n], buf[1, :, self.n] = k_new[:, 0], v_new[:, 0]
         self._write(k_new, v_new)
         buf = buf.to(self.device, non_blocking=True)
         n = self.n
         mask = None if self.mask is None else self.mask[None, :, None, :n]
-        return _attend(q, buf[:, 0].transpose(0, 1), buf[:, 1].transpose(0, 1), mask, work,
-                       gqa)
+        return _attend(q, buf[0], buf[1], mask, work, gqa)
 
 
 class HostKV:
@@ -225,8 +236,8 @@ class KVHome:
         if not self.disk_layers:
             return None
         self.root.mkdir(parents=True, exist_ok=True)
-        record = 2 * keys.shape[0] * keys.shape[2] * keys.element_size()
-        return SeqFile(self.root, n_layers_disk, cap, record)
+        return SeqFile(self.root, n_layers_disk, cap, keys.shape[0], keys.shape[2],
+                       keys.element_size())
 
     def contexts(self, kept: list, extra: int, group: int, make_plain, skip) -> list:
         """Per layer the decode context of kept (K, V, mask) at its home; `make_plain`
