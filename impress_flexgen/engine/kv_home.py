@@ -68,14 +68,15 @@ class SeqFile:
         """Offset of position `at` of run `part` (K heads, then V heads) of a region."""
         return ((region * 2 * self.heads + part) * self.cap + at) * self.row
 
-    def write(self, region: int, at: int, data: torch.Tensor) -> None:
-        """Positions at..at + t of a region from `data` (2, KV, t, d) on the CPU."""
-        raw = data.contiguous().view(torch.uint8).numpy()
-        for part, run in enumerate(raw.reshape(2 * self.heads, -1)):
-            view, offset = memoryview(run), self._run(region, part, at)
-            while view:
-                done = os.pwrite(self.fd, view, offset)
-                view, offset = view[done:], offset + done
+    def write(self, region: int, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions at..at + t of a region from keys and values (KV, t, d) on the CPU."""
+        for i, data in enumerate((keys, values)):
+            raw = data.contiguous().view(torch.uint8).numpy()
+            for h, run in enumerate(raw.reshape(self.heads, -1)):
+                view, offset = memoryview(run), self._run(region, i * self.heads + h, at)
+                while view:
+                    done = os.pwrite(self.fd, view, offset)
+                    view, offset = view[done:], offset + done
 
     def read(self, region: int, into: torch.Tensor) -> None:
         """The region's first n positions into `into` (2, KV, n, d) on the CPU (a view of
@@ -125,9 +126,8 @@ class DiskKV:
 
     def _write(self, keys, values) -> None:
         """Append K, V (KV, t, d) to the file."""
-        rows = torch.stack([keys, values]).to("cpu")          # (2, KV, t, d)
-        self.file.write(self.region, self.n, rows)
-        self.n += rows.shape[2]
+        self.file.write(self.region, self.n, keys.to("cpu"), values.to("cpu"))
+        self.n += keys.shape[1]
 
     def read(self) -> tuple[torch.Tensor, int]:
         """The context read back, (2, KV, n + 1, d) on the CPU with its last position free
