@@ -60,7 +60,7 @@ def served_in_place(tiny_runtimes, tmp_path_factory):
         engine = assemble(rt, make_policy("full", ServingConfig()), None).engine
         home = KVHome(_policy(100, 0), engine.math.n_layers, engine.device,
                       tmp_path_factory.mktemp("kv"))
-        out[model] = engine, _serve(engine, home, False)
+        out[model] = engine, _serve(engine, home, False), _serve(engine, home, True)
     return out
 
 
@@ -75,15 +75,18 @@ def _cases():
 def test_greedy_tokens_are_the_same_wherever_the_context_lives(served_in_place, tmp_path,
                                                                model, split):
     """Alone: the same tokens and bit-identical logits at every split; in a batch: the
-    tokens of each request alone (batched-equals-alone holds with the context on disk)."""
-    engine, ref = served_in_place[model]
+    tokens of each request alone (batched-equals-alone holds with the context on disk), and
+    the batch's logits bit-identical to the batch's in memory (disk layers are attended
+    side by side too)."""
+    engine, ref, ref_batched = served_in_place[model]
     assert all(len(r.tokens) == NEW for r in ref)
     home = KVHome(_policy(*split), engine.math.n_layers, engine.device, tmp_path)
     alone = _serve(engine, home, False)
     batched = _serve(engine, home, True)
-    for a, b, r in zip(alone, batched, ref):
+    for a, b, r, rb in zip(alone, batched, ref, ref_batched):
         assert a.tokens == b.tokens == r.tokens
         assert all(torch.equal(x, y) for x, y in zip(a.step_logits, r.step_logits))
+        assert all(torch.equal(x, y) for x, y in zip(b.step_logits, rb.step_logits))
     disk = home.homes.count("disk")
     assert (home.bytes_read > 0) == (disk > 0)
     assert all((a.stats.kv_disk_bytes > 0) == (disk > 0) for a in alone + batched)
@@ -161,7 +164,7 @@ def test_a_cpu_share_on_another_device_than_compute(served_in_place, tmp_path, c
     """CUDA's branch where there is none: the CPU share held on a device that is not the
     compute device (cpu:0 beside cpu), attended there (cpu_cache_compute) or copied to the
     compute device; the same tokens and logits as the context on the compute device."""
-    engine, ref = served_in_place["llama-tiny"]
+    engine, ref, _ = served_in_place["llama-tiny"]
     n = engine.math.n_layers
     home = KVHome(_policy(0, 100, cpu_compute), n, engine.device, tmp_path,
                   host=torch.device("cpu", 0))

@@ -141,8 +141,9 @@ class DiskKV:
         if self.pending is None:
             self.pending = pool.submit(self.read)
 
-    def attend(self, q, k_new, v_new, work, gqa: bool, stats) -> torch.Tensor:
-        """As attend_context: the new token appended (to the file), q over the context."""
+    def take(self, k_new, v_new, stats) -> torch.Tensor:
+        """The context read back with the new token (KV, 1, d) appended (to the file too):
+        (2, KV, n, d) on the compute device."""
         t0 = time.perf_counter()
         buf, nbytes = self.pending.result() if self.pending is not None else self.read()
         self.pending = None
@@ -152,9 +153,12 @@ class DiskKV:
         stats.kv_disk_bytes += nbytes
         buf[0, :, self.n], buf[1, :, self.n] = k_new[:, 0], v_new[:, 0]
         self._write(k_new, v_new)
-        buf = buf.to(self.device, non_blocking=True)
-        n = self.n
-        mask = None if self.mask is None else self.mask[None, :, None, :n]
+        return buf.to(self.device, non_blocking=True)
+
+    def attend(self, q, k_new, v_new, work, gqa: bool, stats) -> torch.Tensor:
+        """As attend_context: the new token appended (to the file), q over the context."""
+        buf = self.take(k_new, v_new, stats)
+        mask = None if self.mask is None else self.mask[None, :, None, :self.n]
         return _attend(q, buf[0], buf[1], mask, work, gqa)
 
 
@@ -271,6 +275,34 @@ class KVHome:
             kv = s.kv[layer] if s.kv is not None else None
             if isinstance(kv, DiskKV):
                 kv.start(self.pool)
+
+    def attend_side(self, seqs: list, layer: int, q, k_new, v_new, work, gqa: bool):
+        """A micro-batch's layer whose contexts are all on disk, attended side by side as
+        attention.SideBySide does (one call, each row padded to the longest and masked), so
+        that a batch computes the same wherever its contexts live; None when they are not
+        all on disk (or one sequence alone). q (B, H, 1, d), k_new and v_new (B, KV, 1, d)."""
+        kvs = [s.kv[layer] if s.pages is None and s.kv is not None else None for s in seqs]
+        if len(kvs) < 2 or not all(isinstance(kv, DiskKV) for kv in kvs):
+            return None
+        before = [(s.stats.kv_disk_bytes, s.stats.kv_disk_wait_s) for s in seqs]
+        bufs = [kv.take(k_new[b], v_new[b], s.stats) for b, (kv, s) in enumerate(zip(kvs, seqs))]
+        for s, (nbytes, wait) in zip(seqs, before):
+            self.bytes_read += s.stats.kv_disk_bytes - nbytes
+            self.wait_s += s.stats.kv_disk_wait_s - wait
+        end, like = max(kv.n for kv in kvs), bufs[0]
+        keys = like.new_zeros(len(kvs), like.shape[1], end, like.shape[3])
+        values = torch.zeros_like(keys)
+        bias = like.new_full((len(kvs), q.shape[1], 1, end), float("-inf"))
+        for b, (kv, buf) in enumerate(zip(kvs, bufs)):
+            keys[b, :, :kv.n], values[b, :, :kv.n] = buf[0], buf[1]
+            allowed = torch.ones(1, kv.n, dtype=torch.bool, device=like.device) \
+                if kv.mask is None else kv.mask[:, :kv.n]
+            bias[b, :, 0, :kv.n] = torch.zeros((), dtype=like.dtype, device=like.device) \
+                .masked_fill(~allowed, float("-inf"))
+        work = work or q.dtype
+        out = F.scaled_dot_product_attention(q.to(work), keys.to(work), values.to(work),
+                                             attn_mask=bias.to(work), enable_gqa=gqa)
+        return out.to(q.dtype)
 
     def attend(self, kv, q, k_new, v_new, work, gqa: bool, stats) -> torch.Tensor:
         """q (1, H, 1, d) of one sequence's new token over its context at any home."""

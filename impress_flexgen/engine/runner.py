@@ -376,7 +376,8 @@ class Runner:
                 q, k_new, v_new = self.math.qkv(weights, x, positions, rope)
                 if side is not None and side.holds(layer):
                     attn = side.attend(layer, q, k_new, v_new, self.work, self.group > 1)
-                else:
+                elif not self.side_by_side or (attn := self.kv_home.attend_side(
+                        part, layer, q, k_new, v_new, self.work, self.group > 1)) is None:
                     outs = [self._decode_attention(s, layer, q[i:i + 1], k_new[i], v_new[i])
                             for i, s in enumerate(part)]
                     attn = outs[0] if len(outs) == 1 else torch.cat(outs)
