@@ -179,3 +179,57 @@ def test_a_corrupt_chunk_in_the_shared_read_is_recomputed_for_each(tiny_runtimes
     for r, tokens in zip(got, want):       # the rest load what the first stored again
         assert not isinstance(r, Exception), r
         assert r.tokens == tokens
+
+
+def test_metrics_count_a_shared_read_once(tiny_runtimes, tmp_path):
+    """A burst on one stored prefix through the service: kv_bytes_read grows by one
+    request's read, and the others' chunks show in kv_bytes_from_pass."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from impress_flexgen.config import RunConfig
+    from impress_flexgen.service import Service, ServiceConfig
+
+    def metrics(service):
+        return {(s.name, s.labels.get("tier")): s.value for fam in text_string_to_metric_families(
+            service.metrics_text().decode()) for s in fam.samples}
+
+    def read(m):
+        return sum(v for (name, _), v in m.items() if name == "impress_flexgen_kv_bytes_read_total")
+
+    stem = prompt_ids(7, 4 * CHUNK)
+    config = ServiceConfig(model="llama-tiny", store_root=tmp_path, max_batch_size=4,
+                           batch_gather_s=0.5, run=RunConfig("full", "full", chunk_size=CHUNK))
+    with Service(config, runtime=tiny_runtimes["llama-tiny"]) as service:
+        service.complete(service.frontend.build(prompt_ids=stem + [7], max_tokens=1))
+        before = metrics(service)
+        one = service.complete(service.frontend.build(prompt_ids=stem + [8], max_tokens=1))
+        alone = read(metrics(service)) - read(before)
+        assert alone == sum(one.stats["bytes_read"].values()) > 0
+        before = metrics(service)
+        tickets = [service.submit(service.frontend.build(prompt_ids=stem + [9 + i],
+                                                         max_tokens=1)) for i in range(4)]
+        done = [t.future.result(timeout=300) for t in tickets]
+        after = metrics(service)
+    assert all(c.stats["matched_tokens"] == len(stem) for c in done)
+    assert read(after) - read(before) == alone                  # read once for the four
+    handed = after[("impress_flexgen_kv_bytes_from_pass_total", None)] - \
+        before[("impress_flexgen_kv_bytes_from_pass_total", None)]
+    assert handed == sum(c.stats["bytes_from_pass"] for c in done) > 0
+
+
+@pytest.mark.slow
+def test_the_block_experiment_compares_both_modes(tmp_path):
+    import json
+
+    from experiments import shared_prefix_block
+
+    out = tmp_path / "spb.json"
+    assert shared_prefix_block.main(["--model", "llama-tiny", "--rounds", "1", "--requests", "4",
+                                     "--prefix-tokens", "64", "--json", str(out)]) == 0
+    rows = {(r["policy"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(p, m) for p in ("full", "impress") for m in shared_prefix_block.MODES}
+    assert all(r["same_answers_as_other_mode"] and r["direct_io"] for r in rows.values())
+    full = rows[("full", "per_request")]["chunks_read"]
+    assert rows[("full", "shared")]["chunks_read"] * 4 == full
+    assert rows[("impress", "shared")]["chunks_read"] < rows[("impress", "per_request")][
+        "chunks_read"]

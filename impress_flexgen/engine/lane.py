@@ -3,10 +3,11 @@ ahead, and its attention at each layer (its policy's choice of its own stored pr
 loaded, then its new tokens over that plus themselves).
 
 Between the projections and the output projection each sequence of a pass goes its own way,
-exactly as served alone: its policy plans its prefix KV from its own probe keys, its own
-chunks are loaded through the tiers (its own read-ahead, match and pins), and its queries
-attend over its own prefix plus its own new tokens (causal). The runner's layer loop
-(runner.py) runs the rest of each layer once for all lanes.
+exactly as served alone: its policy plans its prefix KV from its own probe keys, its
+chunks come through the tiers (its own match and pins; a chunk another lane of the pass
+read is handed over, not read again: pass_reads.py), and its queries attend over its own
+prefix plus its own new tokens (causal). The runner's layer loop (runner.py) runs the rest
+of each layer once for all lanes (PrefillPass: the lanes, their rows, their shared reads).
 """
 from __future__ import annotations
 
