@@ -2,7 +2,8 @@
 request, side by side in one run.
 
     python -m experiments.shared_prefix_block [--model smollm2-135m] [--requests 16]
-                                              [--prefix-tokens 1024] [--quick] [--json PATH]
+                                              [--prefix-tokens 1024] [--policies full,impress]
+                                              [--disk-read-limit MB/s] [--quick] [--json PATH]
 
 A passage of a public-domain book (about `--prefix-tokens` tokens) is stored by a first
 request; then `--requests` requests, each that passage and a question of its own, arrive
@@ -16,7 +17,7 @@ tier is configured, so every load is a disk read; reordering is off so that ever
 sees the same layout. Reported per row: the bytes the store read from disk for the pass
 (chunks and probe keys), the chunks read, the pass's wall time (prefill up to the first
 tokens; median over rounds), and whether every request's first token and logits equal those
-of the other mode.
+of the other mode. `--disk-read-limit` caps the store's reads (a slower disk than this one).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
+from impress_flexgen.entrypoints.args import (ArgumentParser, choose_list, finite_float,
+                                              int_range, write_json)
 from impress_flexgen.entrypoints.process import run_main
 
 MODES = ("per_request", "shared")
@@ -48,14 +50,15 @@ def prompts(rt, n: int, prefix_tokens: int, query_tokens: int, chunk: int):
 
 
 def run_policy(rt, name: str, retention: float, prefix, queries, chunk: int, rounds: int,
-               root: Path) -> list[dict]:
+               root: Path, read_limit: float | None = None) -> list[dict]:
     from impress_flexgen.engine import Request, SchedulerConfig, assemble, open_store
     from impress_flexgen.tiers import TierConfig
     from policies import ServingConfig, make_policy
 
     cfg = ServingConfig(retention=retention)
     policy = make_policy(name, cfg)
-    store = open_store(root / name, rt, cfg, policy, chunk_size=chunk, reorder_interval=0)
+    store = open_store(root / name, rt, cfg, policy, chunk_size=chunk, reorder_interval=0,
+                       read_limit_mb_s=read_limit)
     rows = {mode: [] for mode in MODES}
     answers = {}
     try:
@@ -127,9 +130,13 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int_range(1, 1024), default=16)
     ap.add_argument("--retention", type=float, default=0.25, help="impress's (0.25)")
     ap.add_argument("--rounds", type=int_range(1, 10), default=3)
+    ap.add_argument("--policies", default="full,impress", help="full, impress or both")
+    ap.add_argument("--disk-read-limit", type=finite_float(0, low_open=True), default=None,
+                    help="cap the store's reads at this many MB/s (default: none)")
     ap.add_argument("--quick", action="store_true", help="8 requests, 512 tokens, one round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.policies = choose_list(ap, "--policies", args.policies, ("full", "impress"))
     if args.quick:
         args.requests, args.prefix_tokens, args.rounds = 8, 512, 1
     from impress_flexgen.models.runtime import Runtime, RuntimeConfig
@@ -139,9 +146,10 @@ def main(argv=None) -> int:
             tempfile.TemporaryDirectory(prefix="shared-block-") as tmp:
         prefix, queries = prompts(rt, args.requests, args.prefix_tokens, args.query_tokens,
                                   args.chunk_size)
-        for name, retention in (("full", 1.0), ("impress", args.retention)):
+        for name in args.policies:
+            retention = 1.0 if name == "full" else args.retention
             for row in run_policy(rt, name, retention, prefix, queries, args.chunk_size,
-                                  args.rounds, Path(tmp)):
+                                  args.rounds, Path(tmp), args.disk_read_limit):
                 results.append(row)
                 print(f"{row['policy']:8s} {row['mode']:12s} {row['requests']} requests x "
                       f"{row['prefix_tokens']} stored tokens: read "
@@ -152,6 +160,8 @@ def main(argv=None) -> int:
     write_json(args.json, {"model": args.model, "requests": args.requests,
                            "prefix_tokens": args.prefix_tokens,
                            "chunk_size": args.chunk_size, "retention": args.retention,
+                           "query_tokens": args.query_tokens,
+                           "disk_read_limit_mb_s": args.disk_read_limit,
                            "memory_tiers": False, "rows": results})
     return 0
 
