@@ -83,13 +83,15 @@ class Runner:
         self.pop_k = self.flex_policy.num_gpu_batches - 1
 
     # -- the weights of one layer --------------------------------------------------------------
-    def load_weights(self, j: int, stats: RequestStats, ahead: int | None = None):
+    def load_weights(self, j: int, stats: RequestStats, ahead: int | None = None,
+                     rows=None):
         """Bring layer j's weights to the compute device (FlexGen's placement decides from
         where; with overlap, layer `ahead`'s read starts as j is ready: weight_stream) and
         return them as plain tensors (None for the embedding and the MLP layers, whose
-        FlexGen forward takes them from its buffer)."""
+        FlexGen forward takes them from its buffer). `rows`: the token ids the embedding
+        (j = 0) will embed, so that a token table on the disk is read for them alone."""
         t0 = time.perf_counter()
-        self.weights.bring(j, stats, ahead)
+        self.weights.bring(j, stats, ahead, rows)
         stats.weights_s += time.perf_counter() - t0
         if j % 2 == 0:
             return None
@@ -243,7 +245,7 @@ class Runner:
                       device=self.device)
 
     def _embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self.load_weights(0, stats, ahead=1)
+        self.load_weights(0, stats, ahead=1, rows=ids)
         with stats.timer("compute_s"):
             hidden, mask = ValueHolder(), ValueHolder()
             hidden.store(TorchTensor.create_from_torch(
@@ -345,7 +347,7 @@ class Runner:
         stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
         parts = micro_batches(seqs, self.micro_batch)
         steps = [self._decode_inputs(part, m) for m, part in enumerate(parts)]
-        self.load_weights(0, stats, ahead=1)
+        self.load_weights(0, stats, ahead=1, rows=[s.next_input() for s in seqs])
         self._each(0, [(hidden, mask) for hidden, mask, *_ in steps])
         ropes = [self.math.rope(pos, h.val.data.dtype) for h, _, pos, _ in steps]
         for layer in range(self.math.n_layers):
