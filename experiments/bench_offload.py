@@ -365,8 +365,10 @@ def main(argv=None) -> int:
         args.prefix, args.tokens, args.gpu_batch_size, args.num_gpu_batches = 128, 8, 4, 4
     from impress_flexgen.planner.machine import measure_machine
 
-    # The policy search's rates, measured once (cached for this machine) before the rows.
-    machine = measure_machine()
+    # The policy search's rates in the rows' dtype, measured once (cached for this machine)
+    # before the rows.
+    from impress_flexgen.models import dtypes
+    machine = measure_machine(dtype=dtypes.torch_dtype(dtypes.of_name(args.dtype)))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
         hf, first_starts = {}, {}
