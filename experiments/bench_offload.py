@@ -39,6 +39,7 @@ from pathlib import Path
 
 from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
 from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.errors import UserError
 
 QUERY_TOKENS = 8
 SHARD_BYTES = 2 << 30   # the peer's checkpoint shards
@@ -69,6 +70,8 @@ def _runtime_config(job: dict):
     return RuntimeConfig(model=job["model"], offload_dir=job["dir"], placement=placement,
                          dtype=dtypes.of_name(job.get("dtype", "fp32")),
                          overlap=job["mode"] != "sync", gpu_batch_size=job["gpu_batch_size"],
+                         work_tokens=job["prefix"] + QUERY_TOKENS + job["tokens"]
+                         if "prefix" in job else None,
                          num_gpu_batches=job["num_gpu_batches"])
 
 
@@ -323,7 +326,7 @@ def plan(args) -> list[tuple[str, dict]]:
         rows += [("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
                            "num_gpu_batches": n})]
         rows += [("accelerate", {**base, "mode": "block", "batch": block})] if peer else []
-    return rows
+    return [(kind, job) for kind, job in rows if job["mode"] in args.modes]
 
 
 def main(argv=None) -> int:
@@ -344,10 +347,15 @@ def main(argv=None) -> int:
                     help="both systems' weights and compute (default: fp16 with CUDA, "
                          "else fp32)")
     ap.add_argument("--no-peer", action="store_true", help="ours only")
+    ap.add_argument("--modes", default="sync,overlap,block",
+                    help="the rows' modes to measure (comma-separated; default all)")
     ap.add_argument("--timeout", type=int_range(10), default=3600,
                     help="seconds for each row's process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.modes = set(args.modes.split(","))
+    if not args.modes <= {"sync", "overlap", "block"}:
+        raise UserError(f"--modes: sync, overlap or block, not {sorted(args.modes)}")
     if args.dtype is None:
         import torch
         args.dtype = "fp16" if torch.cuda.is_available() else "fp32"
@@ -357,8 +365,10 @@ def main(argv=None) -> int:
         args.prefix, args.tokens, args.gpu_batch_size, args.num_gpu_batches = 128, 8, 4, 4
     from impress_flexgen.planner.machine import measure_machine
 
-    # The policy search's rates, measured once (cached for this machine) before the rows.
-    machine = measure_machine()
+    # The policy search's rates in the rows' dtype, measured once (cached for this machine)
+    # before the rows.
+    from impress_flexgen.models import dtypes
+    machine = measure_machine(dtype=dtypes.torch_dtype(dtypes.of_name(args.dtype)))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
         hf, first_starts = {}, {}

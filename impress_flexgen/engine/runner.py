@@ -36,10 +36,11 @@ from ..sampling import Sampler
 from .attention import attend, plan_rows
 from .family import FamilyMath
 from .kv_home import KVHome
-from .lane import Lane
+from .lane import Lane, PrefillPass
 from .prefix_kv import PrefixKV
 from .scores import score_hidden, step_scores
 from .sequence import PiecesKV, decode_context
+from .pass_reads import PassReads
 from .weight_stream import WeightStream
 from .block import Sides, again, micro_batches
 
@@ -54,24 +55,6 @@ class Picked:
     row: torch.Tensor | None = None
     scores: tuple | None = None
     logits: torch.Tensor | None = None
-
-
-class PrefillPass:
-    """A prefill pass in progress: its lanes, the hidden states of all their rows, its row
-    groups (canonical tiles), and the next layer to run."""
-
-    def __init__(self, lanes: list[Lane], hidden: ValueHolder, groups: list):
-        self.lanes, self.hidden, self.groups = lanes, hidden, groups
-        self.layer = 0
-
-    def spent(self, field: str, seconds: float) -> None:
-        """Time spent once for the whole pass counts in every sequence's stats."""
-        for lane in self.lanes:
-            setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
-
-    def close(self) -> None:
-        for lane in self.lanes:
-            lane.close()
 
 
 class Runner:
@@ -91,6 +74,7 @@ class Runner:
         self.work = torch.float32 if device.type == "cpu" else None
         self.side = Sides()
         self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
+        self.share_reads = True     # False: each sequence of a pass reads its own chunks
         self.weights = WeightStream(self.model, device, runtime.cfg.overlap)
         self.kv_home = KVHome.of(runtime, math.n_layers, device)   # decode contexts' homes
         # The block schedule (--throughput): a decode step's sequences computed in
@@ -140,9 +124,11 @@ class Runner:
         # Sequences that matched the same node read its probe keys once (a burst on one
         # system prompt reads them once, not once per request).
         shared_probes = {} if len(seqs) > 1 else None
+        # And the chunks they load (pass_reads.py): each read once for all of them.
+        reads = PassReads(self.store) if len(seqs) > 1 and self.share_reads else None
         try:
             for seq in seqs:
-                lanes.append(Lane(self, seq, shared_probes, piece))
+                lanes.append(Lane(self, seq, shared_probes, piece, reads))
             parts = []
             for lane in lanes:
                 hidden = self._embed(lane.new_ids, lane.total, lane.stats)
@@ -158,14 +144,13 @@ class Runner:
             groups, rows = plan_rows([(lane.lo, lane.positions[0], lane.canonical_end)
                                       for lane in lanes], lanes[-1].hi, self.device)
         except BaseException:
-            for lane in lanes:
-                lane.close()
+            PrefillPass(lanes, None, [], reads).close()
             raise
         for lane, lane_rows in zip(lanes, rows):
             lane.rows = lane_rows
         for group in groups:
             group.rope = self.math.rope(group.positions, hidden.val.data.dtype)
-        return PrefillPass(lanes, hidden, groups)
+        return PrefillPass(lanes, hidden, groups, reads)
 
     def run_pass(self, p: PrefillPass, pause: Callable[[], bool] | None = None) -> bool:
         """Run the pass's layers; False when `pause()`, asked after each layer, stopped it
@@ -177,6 +162,7 @@ class Runner:
                 lane.read_ahead(layer + 1)
             j = 1 + 2 * layer
             self._prefill_attention(p, layer, self._pass_weights(p, j, ahead=j + 1))
+            p.drop(layer)
             self._pass_weights(p, j + 1, ahead=j + 2)
             self._prefill_mlp(p, 2 + 2 * layer)
             p.layer = layer + 1

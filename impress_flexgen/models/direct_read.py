@@ -35,6 +35,9 @@ ALIGN = 4096
 PIECE = 8 << 20
 SPLIT = 32 << 20
 READERS = 2
+# Reader threads for the other spans: one per FlexGen copy thread, so that copy threads
+# splitting files at once never queue behind each other's spans.
+READER_THREADS = 4
 # A scattered row read costs about as much time as this many bytes read in sequence.
 SEEK_BYTES = 64 << 10
 _local = threading.local()
@@ -57,7 +60,8 @@ def _readers() -> ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None:
             # Idle workers end with the interpreter (concurrent.futures joins them at exit).
-            _pool = ThreadPoolExecutor(READERS - 1, thread_name_prefix="direct-read")
+            _pool = ThreadPoolExecutor(READER_THREADS * (READERS - 1),
+                                       thread_name_prefix="direct-read")
         return _pool
 
 
