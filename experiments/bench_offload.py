@@ -1,10 +1,10 @@
 """An OPT model with its weights on the disk: our runtime (synchronous reads, reads behind
 compute, the block schedule) against Hugging Face transformers + accelerate disk offload.
 
-    python -m experiments.bench_offload [--model opt-6.7b] [--quick] [--json F]
+    python -m experiments.bench_offload [--model opt-6.7b] [--dtype bf16] [--quick] [--json F]
 
-Random weights (the same values on both), in float32 on a CPU (float16 with CUDA) on both
-systems. Ours: 10% of each layer's weights in CPU memory and the rest on the disk
+Random weights (the same values on both), in `--dtype` (default float32 on a CPU, float16
+with CUDA) on both systems; the peer's checkpoint is written a tensor at a time. Ours: 10% of each layer's weights in CPU memory and the rest on the disk
 (FlexGen's percentages 0,10), read past the page cache (O_DIRECT, models.direct_read);
 accelerate: `device_map="auto"`, `offload_folder`, `max_memory` capped at the same 10% of
 the weights, its offloaded files dropped from the page cache before every step (so it reads
@@ -18,7 +18,8 @@ peer's sync and block are one request and all of them batched), prefill / decode
 generated tokens per second, `step_s` (a decode step), `read_s` and `compute_s` (a decode
 step's weight read and its compute, each measured alone: the same step again with reads
 not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
-and `next_start_s` (building the model with its weights written, then reused),
+and `next_start_s` (building the model with its weights written, then reused; ours: one
+weights cache per model for its rows, made by the first),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
 weights could come from the page cache), `predicted_tokens_per_s` and
 `predicted_decode_tokens_per_s` (the policy search's prediction for the row's policy, on the
@@ -38,8 +39,10 @@ from pathlib import Path
 
 from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
 from impress_flexgen.entrypoints.process import run_main
+from impress_flexgen.errors import UserError
 
 QUERY_TOKENS = 8
+SHARD_BYTES = 2 << 30   # the peer's checkpoint shards
 CPU_SHARE = 10          # percent of the weights held in memory; the rest on the disk
 
 
@@ -63,10 +66,12 @@ def _runtime_config(job: dict):
 
     disk = job["offload"]
     placement = Placement(0, CPU_SHARE, 100, 0, 100, 0) if disk else Placement.parse("gpu")
-    import torch
+    from impress_flexgen.models import dtypes
     return RuntimeConfig(model=job["model"], offload_dir=job["dir"], placement=placement,
-                         dtype=np.float16 if torch.cuda.is_available() else np.float32,
+                         dtype=dtypes.of_name(job.get("dtype", "fp32")),
                          overlap=job["mode"] != "sync", gpu_batch_size=job["gpu_batch_size"],
+                         work_tokens=job["prefix"] + QUERY_TOKENS + job["tokens"]
+                         if "prefix" in job else None,
                          num_gpu_batches=job["num_gpu_batches"])
 
 
@@ -149,7 +154,7 @@ def ours(job: dict) -> dict:
         decode_tokens = generated - made
         prompt_tokens = sum(len(p) + len(q) for p, q in prompts)
         return {"system": "ours", "model": job["model"],
-                "dtype": "fp16" if torch.cuda.is_available() else "fp32", "mode": job["mode"],
+                "dtype": job["dtype"], "mode": job["mode"],
                 "batch": batch, "gpu_batch_size": job["gpu_batch_size"],
                 "num_gpu_batches": job["num_gpu_batches"], "offloaded": job["offload"],
                 "prefill_tokens_per_s": prompt_tokens / max(first - step_s, 1e-9),
@@ -164,14 +169,51 @@ def ours(job: dict) -> dict:
 
 
 def prepare_peer(job: dict) -> dict:
-    """Our random weights as a transformers checkpoint (the peer's input), made once."""
-    from impress_flexgen.models.reference import load_reference
+    """Our random weights as a transformers checkpoint (the peer's input), made once, a
+    tensor at a time into shards (a model larger than memory is never held whole)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from impress_flexgen.models import dtypes
+    from impress_flexgen.models.reference import _hf_config, our_name, reference_dtype
     from impress_flexgen.models.runtime import resolve_spec
+    from impress_flexgen.models.weights import parse_random_path, random_tensor
+    from transformers import AutoModelForCausalLM
 
     out = Path(job["hf_dir"])
     if not (out / "config.json").exists():
         spec = resolve_spec(_runtime_config({**job, "mode": "sync"}))
-        load_reference(spec).save_pretrained(out)
+        seed, std, _ = parse_random_path(spec.weight_path + "/x")
+        config = _hf_config(spec)
+        compute, ours = reference_dtype(spec), dtypes.torch_dtype(spec.config.dtype)
+        with torch.device("meta"):
+            shapes = {n: tuple(t.shape) for n, t in
+                      AutoModelForCausalLM.from_config(config, dtype=compute).state_dict().items()}
+        out.mkdir(parents=True, exist_ok=True)
+        weight_map, shard, held, total = {}, {}, 0, 0
+
+        def flush():
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in shard})
+            shard.clear()
+
+        for hf_name, shape in shapes.items():
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            # Rounded through the runtime's dtype, so both hold identical values.
+            t = random_tensor(our_name(spec, hf_name), shape, seed, std, ours).to(compute)
+            shard[hf_name] = t.contiguous()
+            held += t.numel() * t.element_size()
+            total += t.numel() * t.element_size()
+            if held >= SHARD_BYTES:
+                flush()
+                held = 0
+        if shard:
+            flush()
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}))
+        config.save_pretrained(out)
     return {"weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
 
 
@@ -207,8 +249,10 @@ def accelerate(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
+    from impress_flexgen.models import dtypes
+
     cuda = torch.cuda.is_available()
-    dtype = torch.float16 if cuda else torch.float32
+    dtype = dtypes.torch_dtype(dtypes.of_name(job["dtype"]))
     cap = int(job["weight_bytes"] * CPU_SHARE / 100)
     memory = {0: cap, "cpu": cap} if cuda else {"cpu": cap}
     starts = []
@@ -239,7 +283,7 @@ def accelerate(job: dict) -> dict:
         read = None if read is None else _disk_read_bytes() - read
     steps = max(job["tokens"] - 1, 1)
     step_s = max(total - first, 1e-9) / steps
-    return {"system": "accelerate", "model": job["model"], "dtype": "fp16" if cuda else "fp32",
+    return {"system": "accelerate", "model": job["model"], "dtype": job["dtype"],
             "mode": job["mode"], "batch": batch, "offloaded": "disk" in placed,
             "prefill_tokens_per_s": ids.numel() / first,
             "decode_tokens_per_s": batch / step_s,
@@ -255,9 +299,9 @@ WORKERS = {"ours": ours, "accelerate": accelerate, "prepare": prepare_peer}
 
 def _child(kind: str, job: dict, timeout_s: float) -> dict:
     """One measurement in a process of its own (its own peak RSS)."""
-    # A weights cache of its own: the first start makes the weights, the next reuses them.
-    env = {**os.environ, "IMPRESS_FLEXGEN_PROGRESS": "0",
-           "IMPRESS_FLEXGEN_CACHE": str(Path(job["dir"]) / "cache")}
+    # A weights cache per model, shared by its rows (a large model's weights are written
+    # once): the first row's first start makes the weights, every other start reuses them.
+    env = {**os.environ, "IMPRESS_FLEXGEN_PROGRESS": "0", "IMPRESS_FLEXGEN_CACHE": job["cache"]}
     out = subprocess.run([sys.executable, "-m", "experiments.bench_offload", "--worker", kind,
                           json.dumps(job)], capture_output=True, text=True, timeout=timeout_s,
                          env=env)
@@ -267,21 +311,22 @@ def _child(kind: str, job: dict, timeout_s: float) -> dict:
 
 
 def plan(args) -> list[tuple[str, dict]]:
-    """(worker, job) per row, in the order measured."""
+    """(worker, job) per row, in the order measured: each of the peer's rows right after
+    ours at the same batch, so that a machine whose load changes meets both alike."""
     size, n = args.gpu_batch_size, args.num_gpu_batches
     block = size * n
     rows = []
     for model, offload in args.models:
-        base = {"model": model, "offload": offload, "prefix": args.prefix,
+        base = {"model": model, "offload": offload, "prefix": args.prefix, "dtype": args.dtype,
                 "tokens": args.tokens, "gpu_batch_size": 1, "num_gpu_batches": 1}
+        peer = offload and not args.no_peer
         rows += [("ours", {**base, "mode": "sync", "batch": 1}),
-                 ("ours", {**base, "mode": "overlap", "batch": 1}),
-                 ("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
+                 ("ours", {**base, "mode": "overlap", "batch": 1})]
+        rows += [("accelerate", {**base, "mode": "sync", "batch": 1})] if peer else []
+        rows += [("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
                            "num_gpu_batches": n})]
-        if offload and not args.no_peer:
-            rows += [("accelerate", {**base, "mode": "sync", "batch": 1}),
-                     ("accelerate", {**base, "mode": "block", "batch": block})]
-    return rows
+        rows += [("accelerate", {**base, "mode": "block", "batch": block})] if peer else []
+    return [(kind, job) for kind, job in rows if job["mode"] in args.modes]
 
 
 def main(argv=None) -> int:
@@ -298,11 +343,22 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int_range(2), default=32)
     ap.add_argument("--gpu-batch-size", type=int_range(1), default=8)
     ap.add_argument("--num-gpu-batches", type=int_range(1), default=8)
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="both systems' weights and compute (default: fp16 with CUDA, "
+                         "else fp32)")
     ap.add_argument("--no-peer", action="store_true", help="ours only")
+    ap.add_argument("--modes", default="sync,overlap,block",
+                    help="the rows' modes to measure (comma-separated; default all)")
     ap.add_argument("--timeout", type=int_range(10), default=3600,
                     help="seconds for each row's process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.modes = set(args.modes.split(","))
+    if not args.modes <= {"sync", "overlap", "block"}:
+        raise UserError(f"--modes: sync, overlap or block, not {sorted(args.modes)}")
+    if args.dtype is None:
+        import torch
+        args.dtype = "fp16" if torch.cuda.is_available() else "fp32"
     args.models = [(args.model, True)]
     if args.quick:
         args.models = [("opt-125m", True), ("smollm2-135m", False)]
@@ -313,9 +369,10 @@ def main(argv=None) -> int:
     machine = measure_machine()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
-        hf = {}
+        hf, first_starts = {}, {}
         for kind, job in plan(args):
-            job = {**job, "dir": tempfile.mkdtemp(dir=tmp)}
+            job = {**job, "dir": tempfile.mkdtemp(dir=tmp),
+                   "cache": str(Path(tmp) / f"cache-{job['model']}-{job['dtype']}")}
             if kind == "accelerate":
                 key = job["model"]
                 if key not in hf:
@@ -325,10 +382,15 @@ def main(argv=None) -> int:
             row = _child(kind, job, args.timeout)
             if kind == "ours":
                 row.update(predicted(job, machine))
+                # The start that made the weights is the first row's; later rows' first
+                # start found them made.
+                made = first_starts.setdefault(job["cache"], row["first_start_s"])
+                row["first_start_s"] = made
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
-    result = {"model": args.model if not args.quick else "quick", "prefix": args.prefix,
+    result = {"model": args.model if not args.quick else "quick", "dtype": args.dtype,
+              "prefix": args.prefix,
               "tokens": args.tokens, "rows": rows}
     if args.json:
         write_json(args.json, result)

@@ -138,6 +138,10 @@ class ServiceMetrics:
                                namespace=ns, registry=r)
         self.m_probe = Counter("probe_bytes_read", "Probe-key bytes read", namespace=ns,
                                registry=r)
+        self.m_from_pass = Counter("kv_bytes_from_pass", "Prefix KV bytes a request was "
+                                   "handed from a read another request of its prefill pass "
+                                   "made (not read again; counted in kv_bytes_read once)",
+                                   namespace=ns, registry=r)
         for tier in self.engine.tier_names:
             self.m_bytes.labels(tier)
         for source in ("matched", "shared", "computed"):
@@ -227,5 +231,6 @@ class ServiceMetrics:
         for tier, n in stats["bytes_read"].items():
             self.m_bytes.labels(tier).inc(n)
         self.m_probe.inc(stats["probe_bytes"])
+        self.m_from_pass.inc(stats.get("bytes_from_pass", 0))
         self._layers[0] += stats["layers"]
         self._layers[1] += stats["layers_fallback"]

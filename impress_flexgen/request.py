@@ -70,6 +70,10 @@ class RequestStats:
     probe_bytes: int = 0
     chunks_read: int = 0         # from disk
     chunks_loaded: int = 0       # from any tier (K and V counted separately)
+    # Chunks (and their stored bytes) handed over from a read another request of the same
+    # prefill pass made: read once for the pass, counted as read by that request only.
+    chunks_from_pass: int = 0
+    bytes_from_pass: int = 0
     bytes_needed: int = 0        # KV bytes of the prefix tokens actually attended
     prefix_bytes: int = 0        # KV bytes of the whole matched prefix
     layers: int = 0

@@ -376,6 +376,7 @@ class Service:
                  "prefix_tokens": st.prefix_tokens, "matched_tokens": st.matched_tokens,
                  "computed_tokens": st.computed_tokens, "bytes_read": dict(st.bytes_read),
                  "probe_bytes": st.probe_bytes, "layers_fallback": st.layers_fallback,
+                 "bytes_from_pass": st.bytes_from_pass,
                  "layers": st.layers if st.matched_tokens else 0,
                  "decode_s_per_token": st.decode_s_per_token,
                  "weight_bytes": st.weight_bytes, "weight_wait_s": st.weight_wait_s,

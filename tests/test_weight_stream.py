@@ -11,7 +11,8 @@ from policies import ServingConfig
 from impress_flexgen.bench.runner import serve_block
 from impress_flexgen.engine import Request
 from impress_flexgen.engine.assemble import assemble, make_serving_policy
-from impress_flexgen.models.direct_read import read_npy, whole
+from impress_flexgen.models import direct_read
+from impress_flexgen.models.direct_read import read_npy, read_rows, row_runs, whole
 from impress_flexgen.models.placement import Placement
 from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from impress_flexgen.request import RequestStats
@@ -91,6 +92,57 @@ def test_direct_read_gives_the_files_array(tmp_path):
     assert np.array_equal(out.numpy(), a)
     assert whole(None, (3, 4)) and whole((slice(0, 3), slice(None)), (3, 4))
     assert not whole((slice(1, 3), slice(None)), (3, 4))
+
+
+def test_a_large_file_is_read_in_spans_at_once_and_rows_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_read, "SPLIT", 64 << 10)      # two readers from 64 KiB
+    monkeypatch.setattr(direct_read, "PIECE", 16 << 10)
+    a = np.random.default_rng(1).standard_normal((300, 1001)).astype(np.float32)
+    path = str(tmp_path / "t.npy")
+    np.save(path, a)
+    out = torch.zeros(a.shape, dtype=torch.float32)
+    assert read_npy(path, out) == a.nbytes
+    assert np.array_equal(out.numpy(), a)
+    rows = [0, 7, 8, 150, 299]
+    part = torch.zeros(a.shape, dtype=torch.float32)
+    assert read_rows(path, part, rows + [8]) == 5 * 1001 * 4     # each row once
+    assert np.array_equal(part.numpy()[rows], a[rows])
+    assert not part[1:7].any()                                    # nothing else written
+    assert row_runs(range(0, 300, 3), 300, 1001 * 4) is None      # cheaper: the whole table
+    assert row_runs([300], 300, 8) is None
+
+
+def test_a_token_table_on_the_disk_is_read_for_the_tokens_embedded(on_disk, tiny_runtimes):
+    engine = _engine(on_disk[True])
+    stream = engine.runner.weights
+    table = stream.token_table
+    assert table is not None
+    token_bytes = table.shape[0] * table.shape[1] * 4
+    rest = stream.moved[0][0] - token_bytes             # the position table, read whole
+    reqs = [Request(list(range(11, 11 + n)), [7, 8], 3, keep_logits=True) for n in (5, 19)]
+    seen, real = [], stream._issue
+    stream._issue = lambda j, rows=None: (real(j, rows), j == 0 and seen.append(
+        stream.brought[0]))
+    try:
+        got = serve_block(engine, reqs, (2, 1))
+    finally:
+        stream._issue = real
+    # Every load of the embedding read a few rows, not the table.
+    assert seen and all(0 < b - rest < token_bytes / 100 for b in seen)
+    ref = _engine(tiny_runtimes["opt-tiny"])             # every weight in memory
+    for a, b in zip(got, serve_block(ref, reqs, (2, 1))):
+        assert a.tokens == b.tokens
+        for x, y in zip(a.step_logits, b.step_logits):
+            assert torch.equal(x, y)
+    # A buffer holding other rows is read again, one holding these is used as it is.
+    stats = RequestStats()
+    stream.bring(0, stats, rows=[3, 4])
+    before = stream.bytes_read
+    stream.bring(0, stats, rows=[4])
+    assert stream.bytes_read == before
+    stream.bring(0, stats, rows=[5])
+    assert stream.bytes_read > before and stream.rows_held[0] == {5}
+    engine.runner.model.weight_read_buf[0].pop()
 
 
 def test_block_schedule_gives_each_requests_own_answer(tiny_runtimes):

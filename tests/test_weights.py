@@ -11,7 +11,7 @@ import torch
 
 from impress_flexgen.errors import UserError
 from impress_flexgen.models import _unpermute_gguf_qk, resolve
-from impress_flexgen.models import weights
+from impress_flexgen.models import conversion_keys, weights
 from impress_flexgen.models.runtime import Placement, Runtime, RuntimeConfig
 
 
@@ -80,7 +80,7 @@ def test_interrupted_conversion_is_never_used(tmp_path):
 
     with pytest.raises(OSError):
         weights.converted_dir(tmp_path / "cache", "m", [src], np.float16, broken)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [conversion_keys.INDEX]
     done = weights.converted_dir(tmp_path / "cache", "m", [src], np.float16,
                                  lambda out: weights.save_tensor(out, "a", np.ones(3)))
     assert np.array_equal(np.load(done / "a"), np.ones(3))
@@ -236,7 +236,10 @@ def test_an_edited_checkpoint_with_its_mtime_put_back_is_converted_again(tmp_pat
     again = weights.converted_dir(cache, "m", [src], np.float32, convert)
     assert np.load(again / "a")[-1] == (63 ^ 0xFF) * 2.0
     assert weights.content_digest(again) != digest
-    assert [p.name for p in cache.iterdir()] == [again.name]    # replaced, not piled up
+    # Under its new content's key; the old conversion stays, whole, for the old content.
+    assert sorted(p.name for p in cache.iterdir()) == \
+        sorted([done.name, again.name, conversion_keys.INDEX])
+    assert weights.content_digest(done) == digest
 
 
 @pytest.mark.slow
@@ -252,3 +255,157 @@ def test_a_damaged_cached_tokenizer_is_rebuilt(tmp_path, monkeypatch):
     assert load_tokenizer(spec).encode("It is a truth universally acknowledged") == ids
     assert any(p.endswith("tokenizer.json") for p in seen)          # durable this time
     json.loads((cached / "tokenizer.json").read_text())             # and whole again
+
+
+# A conversion is keyed by what its checkpoint's files hold, not where they lie.
+
+def _counting(convert_calls: list):
+    def convert(out):
+        convert_calls.append(out)
+        weights.save_tensor(out, "a", np.arange(100, dtype=np.float32))
+    return convert
+
+
+def _hashes(monkeypatch) -> list[str]:
+    """Record every source file read to hash it from now on."""
+    read = []
+    real = conversion_keys.file_sha256
+    monkeypatch.setattr(conversion_keys, "file_sha256", lambda p: read.append(p) or real(p))
+    return read
+
+
+def test_the_same_checkpoint_at_two_paths_is_converted_once(tmp_path):
+    calls = []
+    cache = tmp_path / "cache"
+    made = []
+    for where in ("venv-a", "venv-b"):       # the same package, installed twice
+        (tmp_path / where).mkdir()
+        src = tmp_path / where / "model.bin"
+        src.write_bytes(b"the same checkpoint")
+        made.append(weights.converted_dir(cache, "m", [src], np.float32, _counting(calls)))
+    assert len(calls) == 1 and made[0] == made[1]
+    other = tmp_path / "other" / "model.bin"    # other content: its own conversion
+    other.parent.mkdir()
+    other.write_bytes(b"another checkpoint")
+    assert weights.converted_dir(cache, "m", [other], np.float32, _counting(calls)) != made[0]
+    assert len(calls) == 2
+
+
+def test_copies_of_a_hf_checkpoint_share_one_conversion_and_identity(tiny_llama_checkpoint,
+                                                                     tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))
+    specs = []
+    for where in ("a", "b"):
+        copy = tmp_path / where / tiny_llama_checkpoint.name
+        shutil.copytree(tiny_llama_checkpoint, copy)
+        specs.append(resolve(None, str(copy), dtype=np.float32))
+    assert specs[0].weight_path == specs[1].weight_path
+    assert specs[0].weights_digest == specs[1].weights_digest
+    converted = [p for p in (tmp_path / "cache" / "weights").iterdir() if p.is_dir()]
+    assert len(converted) == 1
+
+
+def test_a_checkpoint_edited_in_place_and_back_is_converted_by_its_content(tmp_path):
+    """Changed in place with its mtime put back: converted again under its new content's
+    key; put back as it was: the first conversion serves again, nothing converted."""
+    src = tmp_path / "model.bin"
+    src.write_bytes(np.arange(64, dtype=np.uint8).tobytes())
+    calls = []
+    cache = tmp_path / "cache"
+    first = weights.converted_dir(cache, "m", [src], np.float32, _counting(calls))
+    _edit_keeping_mtime(src)
+    edited = weights.converted_dir(cache, "m", [src], np.float32, _counting(calls))
+    assert edited != first and len(calls) == 2
+    _edit_keeping_mtime(src)                   # the byte flipped back: the first content
+    assert weights.converted_dir(cache, "m", [src], np.float32, _counting(calls)) == first
+    assert len(calls) == 2
+
+
+def test_a_second_start_reads_no_source_bytes(tmp_path, monkeypatch):
+    srcs = [tmp_path / "model-1.bin", tmp_path / "model-2.bin"]
+    for i, s in enumerate(srcs):
+        s.write_bytes(bytes([i]) * 1000)
+    read = _hashes(monkeypatch)
+    cache = tmp_path / "cache"
+    calls = []
+    done = weights.converted_dir(cache, "m", srcs, np.float32, _counting(calls))
+    assert sorted(read) == sorted(str(s.resolve()) for s in srcs)
+    read.clear()
+    assert weights.converted_dir(cache, "m", srcs, np.float32, _counting(calls)) == done
+    assert read == [] and len(calls) == 1           # from the index, by identity
+    _edit_keeping_mtime(srcs[1])                    # only the changed file is read again
+    weights.converted_dir(cache, "m", srcs, np.float32, _counting(calls))
+    assert read == [str(srcs[1].resolve())] and len(calls) == 2
+
+
+@pytest.mark.parametrize("index", ["{broken", "[1, 2]", '{"x": 3}', ""])
+def test_a_damaged_hash_index_only_costs_a_hash(tmp_path, monkeypatch, index):
+    src = tmp_path / "model.bin"
+    src.write_bytes(b"weights")
+    cache = tmp_path / "cache"
+    calls = []
+    done = weights.converted_dir(cache, "m", [src], np.float32, _counting(calls))
+    (cache / conversion_keys.INDEX).write_text(index)
+    read = _hashes(monkeypatch)
+    assert weights.converted_dir(cache, "m", [src], np.float32, _counting(calls)) == done
+    assert len(calls) == 1 and len(read) == 1
+    recorded = json.loads((cache / conversion_keys.INDEX).read_text())   # whole again
+    assert list(recorded) == [str(src.resolve())]
+    # A recorded hash that is not one is not believed either.
+    recorded[str(src.resolve())]["sha256"] = "not a digest"
+    (cache / conversion_keys.INDEX).write_text(json.dumps(recorded))
+    assert weights.converted_dir(cache, "m", [src], np.float32, _counting(calls)) == done
+    assert len(calls) == 1 and len(read) == 2
+
+
+def test_a_checkpoint_changed_while_converted_is_not_filed(tmp_path):
+    src = tmp_path / "model.bin"
+    src.write_bytes(b"before")
+
+    def convert(out):
+        weights.save_tensor(out, "a", np.ones(3))
+        src.write_bytes(b"after!")              # a download still writing, say
+
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match="changed while they were converted"):
+        weights.converted_dir(cache, "m", [src], np.float32, convert)
+    assert [p.name for p in cache.iterdir()] == [conversion_keys.INDEX]
+
+
+def _path_keyed(cache, name: str, sources, age_s: float):
+    """A conversion as the path-keyed scheme wrote it."""
+    d = cache / f"m-float32-{name:0>16}"
+    d.mkdir(parents=True)
+    weights.save_tensor(d, "a", np.ones(3))
+    (d / weights.CONVERTED).write_text(json.dumps(
+        {"sources": [str(s) for s in sources], "source_files": {str(s): [1] for s in sources},
+         "sizes": {"a": (d / "a").stat().st_size}}))
+    then = time.time() - age_s
+    os.utime(d / weights.CONVERTED, (then, then))
+    return d
+
+
+def test_path_keyed_conversions_nothing_can_use_are_removed(tmp_path):
+    cache = tmp_path / "cache"
+    gone, kept = tmp_path / "deleted-venv" / "model.bin", tmp_path / "model.bin"
+    kept.write_bytes(b"still here")
+    old = 2 * conversion_keys.DAY
+    removed = _path_keyed(cache, "1", [gone], old)
+    sources_left = _path_keyed(cache, "2", [gone, kept], old)
+    recent = _path_keyed(cache, "3", [gone], 3600)
+    in_use = _path_keyed(cache, "4", [gone], old)
+    mapped = _path_keyed(cache, "5", [gone], old)
+    src = tmp_path / "new.bin"
+    src.write_bytes(b"x")
+    weights_read = np.load(mapped / "a", mmap_mode="r")     # disk-placed weights in use
+    with open(in_use / "a", "rb"):
+        done = weights.converted_dir(cache, "m", [src], np.float32, _counting([]))
+    os.utime(done / weights.CONVERTED, (time.time() - old,) * 2)
+    assert not removed.exists()
+    assert sources_left.exists() and recent.exists() and in_use.exists() and mapped.exists()
+    del weights_read
+    weights.converted_dir(cache, "m", [kept], np.float32, _counting([]))
+    assert not in_use.exists() and not mapped.exists()
+    assert done.exists()                        # a content-keyed one is never pruned

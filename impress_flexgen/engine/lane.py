@@ -3,10 +3,11 @@ ahead, and its attention at each layer (its policy's choice of its own stored pr
 loaded, then its new tokens over that plus themselves).
 
 Between the projections and the output projection each sequence of a pass goes its own way,
-exactly as served alone: its policy plans its prefix KV from its own probe keys, its own
-chunks are loaded through the tiers (its own read-ahead, match and pins), and its queries
-attend over its own prefix plus its own new tokens (causal). The runner's layer loop
-(runner.py) runs the rest of each layer once for all lanes.
+exactly as served alone: its policy plans its prefix KV from its own probe keys, its
+chunks come through the tiers (its own match and pins; a chunk another lane of the pass
+read is handed over, not read again: pass_reads.py), and its queries attend over its own
+prefix plus its own new tokens (causal). The runner's layer loop (runner.py) runs the rest
+of each layer once for all lanes (PrefillPass: the lanes, their rows, their shared reads).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from .attention import LaneRows, attend_lane
 from .layer_io import ReadAhead
+from .pass_reads import PassReads
 
 
 class Lane:
@@ -24,7 +26,7 @@ class Lane:
     its matched (and given) prefix."""
 
     def __init__(self, runner, seq, shared_probes: dict | None = None,
-                 piece: tuple[int, int] | None = None):
+                 piece: tuple[int, int] | None = None, reads=None):
         self.seq, self.stats = seq, seq.stats
         if piece is None:
             self.new_ids, self.given, self.n_hidden = seq.new_ids, seq.given, seq.n_hidden
@@ -48,7 +50,8 @@ class Lane:
         self.positions = positions[None]
         self.ahead = ReadAhead(runner.store, runner.policy, runner.math.n_layers,
                                self.segments, self.stats, front=self.front,
-                               shared_probes=shared_probes, device=runner.prefix.select_device)
+                               shared_probes=shared_probes, device=runner.prefix.select_device,
+                               reads=reads)
         self.ahead.start(0)
         if self.given is not None:
             self.given.start(0)
@@ -110,3 +113,31 @@ class Lane:
         self.ahead.close()
         if self.given is not None:
             self.given.close()
+
+
+class PrefillPass:
+    """A prefill pass in progress: its lanes, the hidden states of all their rows, its row
+    groups (canonical tiles), the chunk reads its lanes share (None: each its own), and the
+    next layer to run."""
+
+    def __init__(self, lanes: list[Lane], hidden, groups: list, reads: PassReads | None = None):
+        self.lanes, self.hidden, self.groups, self.reads = lanes, hidden, groups, reads
+        self.layer = 0
+
+    def spent(self, field: str, seconds: float) -> None:
+        """Time spent once for the whole pass counts in every sequence's stats."""
+        for lane in self.lanes:
+            setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
+
+    def drop(self, layer: int) -> None:
+        """Every lane attended at `layer`: the chunks read for it are let go."""
+        for lane in self.lanes:
+            lane.ahead.drop(layer)
+        if self.reads is not None:
+            self.reads.drop(layer)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+        if self.reads is not None:
+            self.reads.close()

@@ -19,41 +19,24 @@ import torch
 from policies import Segment
 from policies.base import ProbeKeys, chunks_holding, same_device
 
-from ..tiers import DISK, ChunkLoad
+from .pass_reads import PassReads
 
 
 class LayerLoader:
     """One layer's services to its policy: the probe keys and chunk loads through the tiers
-    and the disk, each chunk loaded once however often it is asked for, with the counters
-    of the request's stats. Chunks read ahead (prefetch) are taken instead of read again."""
+    and the disk, each chunk loaded once however often it is asked for (by this request or
+    by another of its prefill pass: pass_reads.py), with the counters of the request's
+    stats. Chunks read ahead (prefetch) are taken instead of read again."""
 
-    def __init__(self, store, layer: int, segments, ahead: "ReadAhead", stats):
+    def __init__(self, store, layer: int, segments, ahead: "ReadAhead", stats, reads):
         self.store, self.layer, self.segments = store, layer, segments
-        self.ahead, self.stats = ahead, stats
-        self.loaded: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.prefetching: list = []                      # [(segment, read)] in flight
-        self.prefetched: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+        self.ahead, self.stats, self.reads = ahead, stats, reads
 
     def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
         """Start disk reads of chunks the policy is expected to load: [(segment, {kind:
         ids})]. Tiers are consulted when the policy asks (start_all), as without it."""
         for si, kinds in wanted:
-            seg = self.segments[si]
-            self.prefetching.append(
-                (si, self.store.tiers.prefetch(ChunkLoad(seg.entry, kinds, node=seg.node))))
-
-    def _collect(self) -> None:
-        """Finish the prefetch; its bytes count as read whether or not they are used."""
-        pending, self.prefetching = self.prefetching, []
-        for n, (si, read) in enumerate(pending):
-            try:
-                chunks, nbytes = self.store.tiers.finish_prefetch(read)
-            except BaseException:
-                self._drain_prefetch(pending[n + 1:])
-                raise
-            self.prefetched[si] = chunks
-            self.stats.bytes_read[DISK] += nbytes
-            self.stats.chunks_read += sum(len(c) for c in chunks.values())
+            self.reads.prefetch(self.segments[si], kinds, self.stats)
 
     def read_probe(self) -> ProbeKeys:
         with self.stats.timer("probe_s", sync=self.ahead.device):
@@ -66,71 +49,22 @@ class LayerLoader:
         return self.finish_all(self.start_all([(si, {kind: ids})]))[si][kind]
 
     def start_all(self, wanted: list[tuple[int, dict]]) -> list:
-        """Submit [(segment, {kind: chunk ids})]: tier hits and prefetched chunks are served
-        now, disk reads go out; finish_all() collects them."""
+        """Submit [(segment, {kind: chunk ids})]: tier hits, chunks read ahead and chunks
+        the pass has are served now, disk reads go out; finish_all() collects them. The
+        layer's reads ahead are finished first (their bytes count as read)."""
         handles = []
         with self.stats.timer("load_s"):
-            try:
-                self._collect()
-                for si, kinds in wanted:
-                    entry = self.segments[si].entry
-                    missing = {kind: [int(i) for i in np.asarray(ids, dtype=np.int64)
-                                      if (kind, si, int(i)) not in self.loaded]
-                               for kind, ids in kinds.items()}
-                    missing = {kind: ids for kind, ids in missing.items() if ids}
-                    reading = None
-                    if missing:
-                        ratios = {kind: self.store.chunk_ratios(entry, ids)
-                                  for kind, ids in missing.items()}
-                        reading = self.store.tiers.submit(
-                            ChunkLoad(entry, missing, ratios, self.segments[si].node),
-                            ahead=self.prefetched.get(si))
-                    handles.append((si, kinds, missing, reading))
-            except BaseException:
-                self._drain(handles)
-                raise
+            self.reads.collect(self.segments)
+            for si, kinds in wanted:
+                handles.append((si, self.reads.start(self.segments[si], kinds, self.stats)))
         return handles
 
     def finish_all(self, handles) -> dict[int, dict[str, list[torch.Tensor]]]:
         out = {}
         with self.stats.timer("load_s"):
-            for n, (si, kinds, missing, reading) in enumerate(handles):
-                if reading is not None:
-                    try:
-                        chunks, served = self.store.tiers.wait(reading)
-                    except BaseException:
-                        self._drain(handles[n + 1:])
-                        raise
-                    for kind, ids in missing.items():
-                        for i, t in zip(ids, chunks[kind]):
-                            self.loaded[(kind, si, i)] = t
-                    for tier in self.store.tiers.names:
-                        self.stats.bytes_read[tier] += served[tier]
-                    self.stats.chunks_read += served["disk_chunks"]
-                    self.stats.chunks_loaded += sum(len(ids) for ids in missing.values())
-                out[si] = {kind: [self.loaded[(kind, si, int(i))] for i in ids]
-                           for kind, ids in kinds.items()}
+            for si, handle in handles:
+                out[si] = self.reads.finish(handle)
         return out
-
-    def close(self) -> None:
-        self._drain_prefetch(self.prefetching)
-        self.prefetching = []
-
-    def _drain(self, handles) -> None:
-        """Wait for reads nobody will use (their buffers must not be written later)."""
-        for _, _, _, reading in handles:
-            if reading is not None:
-                try:
-                    self.store.tiers.wait(reading)
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
-
-    def _drain_prefetch(self, pending) -> None:
-        for _, read in pending:
-            try:
-                self.store.tiers.finish_prefetch(read)
-            except Exception:  # noqa: BLE001 - nobody asked for these chunks
-                pass
 
 
 class SharedProbe:
@@ -174,14 +108,16 @@ class ReadAhead:
     """
 
     def __init__(self, store, policy, n_layers: int, segments_nodes, stats, front: int = 0,
-                 shared_probes: dict | None = None, device: torch.device | None = None):
+                 shared_probes: dict | None = None, device: torch.device | None = None,
+                 reads: PassReads | None = None):
         """`stats`: the request's counters (probe_s, load_s, probe_bytes, bytes_read per
         tier, chunks_read, chunks_loaded) that the reads add to. `front`: prefix tokens the
         request recomputes instead of loading (no chunk of theirs alone is read ahead).
         `shared_probes`: the probe reads of the requests prefilled in the same pass, by
         layer file (a node's probe keys are read once for all of them). `device`: where
         the policy scores (the probe keys are moved there as they are decoded; None: they
-        stay in host memory)."""
+        stay in host memory). `reads`: the chunk reads of its prefill pass, shared by the
+        requests in it (None: its own)."""
         self.front = front
         self.device = device
         self.shared_probes = shared_probes
@@ -197,6 +133,8 @@ class ReadAhead:
         self.pending: dict[int, list] = {}
         self.ready: dict[int, ProbeKeys | BaseException] = {}
         self.loaders: dict[int, LayerLoader] = {}
+        self.own_reads = reads is None
+        self.reads = PassReads(store) if reads is None else reads
 
     def loader(self, layer: int) -> "LayerLoader":
         """The loader of `layer` (with its reads ahead, if any)."""
@@ -204,7 +142,7 @@ class ReadAhead:
         if got is None:
             segments = [Segment(node, used, self.store.entry(node, layer))
                         for node, used in self.segments_nodes]
-            got = LayerLoader(self.store, layer, segments, self, self.stats)
+            got = LayerLoader(self.store, layer, segments, self, self.stats, self.reads)
         return got
 
     def start(self, layer: int) -> None:
@@ -234,6 +172,11 @@ class ReadAhead:
                       for seg, ids in zip(loader.segments, likely)]
             loader.prefetch([(si, {"k": ids, "v": ids})
                              for si, ids in enumerate(likely) if len(ids)])
+
+    def drop(self, layer: int) -> None:
+        """The request is past `layer`: its own chunk reads of it are let go."""
+        if self.own_reads:
+            self.reads.drop(layer)
 
     def decode_probe(self, layer: int) -> None:
         """Finish and decode `layer`'s probe now (the caller is waiting on other reads);
@@ -295,8 +238,8 @@ class ReadAhead:
         """Wait for reads still in flight: a failed request may quarantine their files next."""
         for reads in self.pending.values():
             self._drain(reads)
-        for loader in self.loaders.values():
-            loader.close()
+        if self.own_reads:
+            self.reads.close()
         self.pending.clear()
         self.ready.clear()
         self.loaders.clear()

@@ -35,10 +35,11 @@ from ..request import RequestStats
 from ..sampling import Sampler
 from .attention import attend, attend_context, plan_rows
 from .family import FamilyMath
-from .lane import Lane
+from .lane import Lane, PrefillPass
 from .prefix_kv import PrefixKV
 from .scores import score_hidden, step_scores
 from .sequence import PiecesKV, decode_context
+from .pass_reads import PassReads
 from .weight_stream import WeightStream
 from .block import Sides, again, micro_batches
 
@@ -53,24 +54,6 @@ class Picked:
     row: torch.Tensor | None = None
     scores: tuple | None = None
     logits: torch.Tensor | None = None
-
-
-class PrefillPass:
-    """A prefill pass in progress: its lanes, the hidden states of all their rows, its row
-    groups (canonical tiles), and the next layer to run."""
-
-    def __init__(self, lanes: list[Lane], hidden: ValueHolder, groups: list):
-        self.lanes, self.hidden, self.groups = lanes, hidden, groups
-        self.layer = 0
-
-    def spent(self, field: str, seconds: float) -> None:
-        """Time spent once for the whole pass counts in every sequence's stats."""
-        for lane in self.lanes:
-            setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
-
-    def close(self) -> None:
-        for lane in self.lanes:
-            lane.close()
 
 
 class Runner:
@@ -90,6 +73,7 @@ class Runner:
         self.work = torch.float32 if device.type == "cpu" else None
         self.side = Sides()
         self.side_by_side = True    # False: sequence by sequence (benchmarks compare the two)
+        self.share_reads = True     # False: each sequence of a pass reads its own chunks
         self.weights = WeightStream(self.model, device, runtime.cfg.overlap)
         # The block schedule (--throughput): a decode step's sequences computed in
         # micro-batches of this many, layer by layer (FlexGen's zig-zag order), each layer's
@@ -99,13 +83,15 @@ class Runner:
         self.pop_k = self.flex_policy.num_gpu_batches - 1
 
     # -- the weights of one layer --------------------------------------------------------------
-    def load_weights(self, j: int, stats: RequestStats, ahead: int | None = None):
+    def load_weights(self, j: int, stats: RequestStats, ahead: int | None = None,
+                     rows=None):
         """Bring layer j's weights to the compute device (FlexGen's placement decides from
         where; with overlap, layer `ahead`'s read starts as j is ready: weight_stream) and
         return them as plain tensors (None for the embedding and the MLP layers, whose
-        FlexGen forward takes them from its buffer)."""
+        FlexGen forward takes them from its buffer). `rows`: the token ids the embedding
+        (j = 0) will embed, so that a token table on the disk is read for them alone."""
         t0 = time.perf_counter()
-        self.weights.bring(j, stats, ahead)
+        self.weights.bring(j, stats, ahead, rows)
         stats.weights_s += time.perf_counter() - t0
         if j % 2 == 0:
             return None
@@ -136,9 +122,11 @@ class Runner:
         # Sequences that matched the same node read its probe keys once (a burst on one
         # system prompt reads them once, not once per request).
         shared_probes = {} if len(seqs) > 1 else None
+        # And the chunks they load (pass_reads.py): each read once for all of them.
+        reads = PassReads(self.store) if len(seqs) > 1 and self.share_reads else None
         try:
             for seq in seqs:
-                lanes.append(Lane(self, seq, shared_probes, piece))
+                lanes.append(Lane(self, seq, shared_probes, piece, reads))
             parts = []
             for lane in lanes:
                 hidden = self._embed(lane.new_ids, lane.total, lane.stats)
@@ -154,14 +142,13 @@ class Runner:
             groups, rows = plan_rows([(lane.lo, lane.positions[0], lane.canonical_end)
                                       for lane in lanes], lanes[-1].hi, self.device)
         except BaseException:
-            for lane in lanes:
-                lane.close()
+            PrefillPass(lanes, None, [], reads).close()
             raise
         for lane, lane_rows in zip(lanes, rows):
             lane.rows = lane_rows
         for group in groups:
             group.rope = self.math.rope(group.positions, hidden.val.data.dtype)
-        return PrefillPass(lanes, hidden, groups)
+        return PrefillPass(lanes, hidden, groups, reads)
 
     def run_pass(self, p: PrefillPass, pause: Callable[[], bool] | None = None) -> bool:
         """Run the pass's layers; False when `pause()`, asked after each layer, stopped it
@@ -173,6 +160,7 @@ class Runner:
                 lane.read_ahead(layer + 1)
             j = 1 + 2 * layer
             self._prefill_attention(p, layer, self._pass_weights(p, j, ahead=j + 1))
+            p.drop(layer)
             self._pass_weights(p, j + 1, ahead=j + 2)
             self._prefill_mlp(p, 2 + 2 * layer)
             p.layer = layer + 1
@@ -257,7 +245,7 @@ class Runner:
                       device=self.device)
 
     def _embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self.load_weights(0, stats, ahead=1)
+        self.load_weights(0, stats, ahead=1, rows=ids)
         with stats.timer("compute_s"):
             hidden, mask = ValueHolder(), ValueHolder()
             hidden.store(TorchTensor.create_from_torch(
@@ -359,7 +347,7 @@ class Runner:
         stats = RequestStats()   # weight timings of decode are not part of a request's TTFT
         parts = micro_batches(seqs, self.micro_batch)
         steps = [self._decode_inputs(part, m) for m, part in enumerate(parts)]
-        self.load_weights(0, stats, ahead=1)
+        self.load_weights(0, stats, ahead=1, rows=[s.next_input() for s in seqs])
         self._each(0, [(hidden, mask) for hidden, mask, *_ in steps])
         ropes = [self.math.rope(pos, h.val.data.dtype) for h, _, pos, _ in steps]
         for layer in range(self.math.n_layers):

@@ -13,6 +13,10 @@ full (read ahead, by a pass that paused there) is used as it is, never read twic
 
 With `overlap` off every layer is read when it is needed, and nothing ahead: today's
 synchronous path, kept to compare. Both give the same weights, so the same outputs.
+
+The input embedding (layer 0) is brought with the token ids it will embed: where its token
+table is on the disk and is read into CPU memory, only those rows are read
+(models.direct_read.want_rows); a buffer holding other rows is read again.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import time
 
 import torch
 from flexgen.pytorch_backend import DeviceType
+
+from ..models import direct_read
 
 
 def _moved(t, compute) -> tuple[int, int]:
@@ -56,30 +62,63 @@ class WeightStream:
         # Since start: bytes brought, of them from the disk, and seconds waited for them.
         self.bytes_read = self.disk_bytes = 0
         self.wait_s = 0.0
+        # Per layer: the bytes its buffer's load brought, and the rows of a token table
+        # read alone (None: whole).
+        self.brought = [m[0] for m in self.moved]
+        self.rows_held: list[frozenset | None] = [None] * self.n
+        self.token_table = self._token_table()
+
+    def _token_table(self):
+        """The input embedding's token table where its loads can read rows alone (on the
+        disk, loaded into CPU memory, uncompressed), else None."""
+        home = next(_flat(self.model.weight_home[0].val), None)
+        dst = getattr(self.model.layers[0], "weight_load_dst", None)
+        if (home is None or len(home.shape) != 2 or dst is None
+                or home.device.device_type != DeviceType.DISK
+                or dst.device_type != DeviceType.CPU):
+            return None
+        return home
 
     @property
     def step_bytes(self) -> int:
         """Bytes one pass over every layer brings to the compute device."""
         return sum(m[0] for m in self.moved)
 
-    def _issue(self, j: int) -> None:
-        """Queue layer j's copies into its buffer (unless it holds them already)."""
+    def _issue(self, j: int, rows=None) -> None:
+        """Queue layer j's copies into its buffer (unless it holds them already); `rows`:
+        the token ids layer 0 will embed (None: all of them)."""
         buf = self.model.weight_read_buf[j]
+        held = self.rows_held[j]
         if buf.val is not None:
-            return
+            if held is None or (rows is not None and held.issuperset(rows)):
+                return
+            buf.clear()                       # a read of other rows: read again
+        moved, disk = self.moved[j]
+        table = self.token_table if j == 0 and rows is not None else None
+        runs = None
+        if table is not None:
+            row_bytes = int(torch.Size(table.shape[1:]).numel()) * \
+                torch.empty((), dtype=table.dtype).element_size()
+            runs = direct_read.row_runs(rows, table.shape[0], row_bytes)
+        if runs is not None:
+            direct_read.want_rows(table, rows)
+            saved = table.shape[0] * row_bytes - direct_read.rows_bytes(runs, row_bytes)
+            moved, disk = moved - saved, disk - saved
+        self.rows_held[j] = frozenset(int(r) for r in rows) if runs is not None else None
         stream = getattr(self.model, "load_weight_stream", None) if self.cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.model.layers[j].load_weight(self.model.weight_home[j], buf, 0)
-        moved, disk = self.moved[j]
+        self.brought[j] = moved
         self.bytes_read += moved
         self.disk_bytes += disk
 
-    def bring(self, j: int, stats, ahead: int | None = None) -> None:
+    def bring(self, j: int, stats, ahead: int | None = None, rows=None) -> None:
         """Layer j's weights in its buffer, every copy done; with overlap, layer `ahead`'s
         copies queued after. The wait counts in `stats` (weight_wait_s) with layer j's bytes
-        (weight_bytes: read now or ahead, the same with overlap or not)."""
+        (weight_bytes: read now or ahead, the same with overlap or not). `rows`: the token
+        ids the input embedding (j = 0) will embed."""
         t0 = time.perf_counter()
-        self._issue(j)
+        self._issue(j, rows)
         self.model.env.disk.synchronize()
         if self.cuda:
             torch.cuda.synchronize()
@@ -88,4 +127,4 @@ class WeightStream:
             self._issue(ahead)
         self.wait_s += waited
         stats.weight_wait_s += waited
-        stats.weight_bytes += self.moved[j][0]
+        stats.weight_bytes += self.brought[j]

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import UserError
 from ..store import scratch
-from . import dtypes
+from . import conversion_keys, dtypes
+from .conversion_keys import file_identity
 
 log = logging.getLogger("impress_flexgen.models.weights")
 
@@ -219,24 +220,23 @@ def install() -> None:
 # ---------------------------------------------------------------------------------------
 # Conversion of real checkpoints, done once and cached.
 
-def file_identity(st: os.stat_result) -> list[int]:
-    """What tells that a file is unchanged without reading it: size and mtime can be put
-    back after an edit, but a write in place also moves the ctime (which cannot be set
-    back) and a replacement brings another inode."""
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
-def _conversion_key(paths: list[Path], extra: str) -> str:
-    """The name of a conversion's directory: which files, converted how. What the files
-    hold is checked against their identities kept in it (_source_identities)."""
-    h = hashlib.sha256(f"impress_flexgen-conversion-v2:{extra}".encode())
-    for p in sorted(paths):
-        h.update(f"{p.resolve()}\0".encode())
+def _conversion_key(content: dict[str, str], extra: str) -> str:
+    """The name of a conversion's directory: what its checkpoint's files hold (each file's
+    name within the checkpoint and SHA-256), converted how. Identical checkpoints at any
+    path share it."""
+    h = hashlib.sha256(f"impress_flexgen-conversion-v3:{extra}".encode())
+    for name, digest in sorted(content.items()):
+        h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()[:16]
 
 
-def _source_identities(paths: list[Path]) -> dict[str, list[int]]:
-    return {str(p.resolve()): file_identity(p.stat()) for p in sorted(paths)}
+def _source_content(cache_root: Path, sources: list[Path]):
+    """({name within the checkpoint: SHA-256}, [identity of each file]) of the sources,
+    hashed once per file identity (conversion_keys)."""
+    hashed = conversion_keys.content_hashes(cache_root, sources)
+    base = os.path.commonpath([str(Path(s).absolute().parent) for s in sources])
+    names = [os.path.relpath(Path(s).absolute(), base) for s in sources]
+    return dict(zip(names, (h for _, h in hashed))), [i for i, _ in hashed]
 
 
 def save_tensor(out_dir: Path, name: str, array: np.ndarray) -> None:
@@ -317,15 +317,15 @@ def content_digest(directory: Path) -> str:
     return digest
 
 
-def _conversion_problem(final: Path, sources: list[Path]) -> str | None:
-    """Why a finished conversion cannot be used (its checkpoint changed, its files missing,
-    cut short or changed since it was made), or None."""
+def _conversion_problem(final: Path, content: dict[str, str]) -> str | None:
+    """Why a finished conversion cannot be used (made from other content, its files
+    missing, cut short or changed since it was made), or None."""
     try:
         done = json.loads((final / CONVERTED).read_text())
     except (OSError, ValueError) as exc:
         return f"{CONVERTED} unreadable ({exc.__class__.__name__})"
-    if not isinstance(done, dict) or done.get("source_files") != _source_identities(sources):
-        return "the checkpoint's files changed since the conversion"
+    if not isinstance(done, dict) or done.get("source_content") != content:
+        return "it was converted from other files"
     sizes = done.get("sizes")
     if not isinstance(sizes, dict):
         return f"{CONVERTED} lists no files"
@@ -342,18 +342,23 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
                   convert: Callable[[Path], None]) -> Path:
     """Return the cached conversion of `sources`, running `convert(tmp_dir)` if absent.
 
-    The conversion is written to a temporary directory, fsynced and renamed into place, so
-    an interrupted conversion is never mistaken for a finished one; one whose sources or
-    files were damaged or changed afterwards is converted again, in its place.
+    Keyed by what the sources hold: a checkpoint changed in place is converted again under
+    its new key (the old conversion stays, for the old content). The conversion is written
+    to a temporary directory, fsynced and renamed into place, so an interrupted conversion
+    is never mistaken for a finished one; one whose files were damaged or changed
+    afterwards is converted again, in its place.
     """
-    key = _conversion_key(sources, f"{label}:{dtypes.name(dtype)}")
+    content, identities = _source_content(cache_root, sources)
+    key = _conversion_key(content, f"{label}:{dtypes.name(dtype)}")
     final = cache_root / f"{label}-{dtypes.name(dtype)}-{key}"
     if (final / CONVERTED).exists():
-        problem = _conversion_problem(final, sources)
+        problem = _conversion_problem(final, content)
         if problem is None:
             return final
         log.warning("converted weights in %s cannot be used (%s): converting again", final,
                     problem)
+    for gone in conversion_keys.prune_path_keyed(cache_root, CONVERTED):
+        log.info("removed %s: keyed by checkpoint paths that are gone", gone)
     try:
         # A scratch directory: one a killed conversion left is removed by the next one.
         # Renamed into place, it keeps the cache's usual permissions.
@@ -362,14 +367,16 @@ def converted_dir(cache_root: Path, label: str, sources: list[Path], dtype: np.d
         raise UserError(f"cannot convert weights into {cache_root}: "
                         f"{exc.strerror or exc}") from None
     try:
-        # The sources as they were before reading them: one changed meanwhile is seen next
-        # time (and converted again) rather than taken for what was read.
-        before = _source_identities(sources)
         convert(tmp)
+        # What was converted must be what was hashed: never file one content's weights
+        # under another's key.
+        if [file_identity(Path(s).stat()) for s in sources] != identities:
+            raise UserError(f"the checkpoint's files changed while they were converted "
+                            f"({', '.join(map(str, sources))}): run again")
         digest = content_digest(tmp)      # cached in tmp: the rename keeps the identities
         with open(tmp / CONVERTED, "w") as f:
             json.dump({"sources": [str(s) for s in sources], "dtype": dtypes.name(dtype),
-                       "source_files": before,
+                       "source_content": content,
                        "sizes": {e.name: e.stat().st_size for e in _weight_files(tmp)},
                        "digest": digest}, f)
         fsync_tree(tmp)

@@ -146,13 +146,18 @@ def _homes(elements: tuple[int, ...], w_gpu: float, w_cpu: float) -> tuple[str, 
     return tuple(layer_homes(list(elements), w_gpu, w_cpu))
 
 
-def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine) -> float:
-    """Seconds to bring one layer's weights to the compute device."""
+def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int) -> float:
+    """Seconds to bring one layer's weights to the compute device; `rows` token rows embedded
+    (a token table on the disk, loaded into CPU memory, is read for those rows alone)."""
     seconds = 0.0
-    for elements, matrix, home in zip(layer.elements, layer.matrix,
-                                      _homes(layer.elements, p.w_gpu, p.w_cpu)):
+    for i, (elements, matrix, home) in enumerate(zip(layer.elements, layer.matrix,
+                                                     _homes(layer.elements, p.w_gpu, p.w_cpu))):
         packed = p.compress_weight and matrix
         nbytes = _value_bytes(elements, shape.itemsize, packed)
+        vocab = getattr(getattr(shape.spec, "config", None), "vocab_size", 0)
+        if (layer.kind == "embed" and i == 0 and home == "disk" and not packed
+                and not m.cuda and vocab):
+            nbytes = min(nbytes, rows * nbytes / vocab + rows * 64 * 1024)
         if home == "disk":
             seconds += m.disk_file_s * (2 if packed else 1) + nbytes / m.disk_bytes_per_s
         elif home == "cpu":
@@ -200,7 +205,7 @@ def _step(shape: Shape, p: Policy, m: Machine, rows: int, tokens: float, queries
     k = p.num_gpu_batches
     step = reads = computes = 0.0
     for layer in shape.layers:
-        read = _weight_read(layer, shape, p, m)
+        read = _weight_read(layer, shape, p, m, rows * k)
         if layer.kind == "attention":
             read += k * _cache_read(shape, p, m, tokens, new)
         compute = k * _compute(layer, shape, p, m, rows, tokens, queries)
