@@ -36,14 +36,15 @@ def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     contiguous, as they lie). F.linear on a bf16 row goes through a general matrix call
     that costs 25-45 us more per product, as much as the product itself at smollm2's sizes
     (a bf16 decode step was slower than a float32 one). Same values, bit for bit: each
-    output is one fp32-accumulated dot product of a row with a weight row."""
+    output is one fp32-accumulated dot product of a row with a weight row. Laid out as
+    F.linear's too: the reductions of later operations (RMSNorm) round by layout."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 1:
         out = (torch.mv(weight, rows[0]) if bias is None else
                torch.addmv(bias, weight, rows[0]))[None]
     else:
         out = (weight @ rows.t() if bias is None else
-               torch.addmm(bias[:, None], weight, rows.t())).t()
+               torch.addmm(bias[:, None], weight, rows.t())).t().contiguous()
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
