@@ -18,10 +18,34 @@ def dense(weight):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x @ weight.T (+ bias): every product of the models goes through here. F.linear is
-    the fastest at every row count a decode batch has (1-16) once one thread owns the CPU
-    team (cpu_threads); `weight @ x.T` measured faster for 2-16 rows only while a second
-    thread owned one too."""
+    the fastest at every row count a decode batch has (1-16) in float32 once one thread
+    owns the CPU team (cpu_threads). A few rows in bf16 on a CPU go by `few_rows_bf16`."""
+    if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dim() == 2 \
+            and weight.is_contiguous() and x.numel() <= FEW_ROWS * x.shape[-1]:
+        return few_rows_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Rows up to which a bf16 product on a CPU goes by few_rows_bf16 (a decode batch's).
+FEW_ROWS = 16
+
+
+def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear's values for a few rows of bf16 on a CPU, by the kernels that are fast
+    there: one row as a matrix-vector product, several as weight @ x.T (the weight's rows
+    contiguous, as they lie). F.linear on a bf16 row goes through a general matrix call
+    that costs 25-45 us more per product, as much as the product itself at smollm2's sizes
+    (a bf16 decode step was slower than a float32 one). Same values, bit for bit: each
+    output is one fp32-accumulated dot product of a row with a weight row. Laid out as
+    F.linear's too: the reductions of later operations (RMSNorm) round by layout."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        out = (torch.mv(weight, rows[0]) if bias is None else
+               torch.addmv(bias, weight, rows[0]))[None]
+    else:
+        out = (weight @ rows.t() if bias is None else
+               torch.addmm(bias[:, None], weight, rows.t())).t().contiguous()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fuse_rows(weights: list, compute) -> None:
