@@ -142,6 +142,23 @@ def test_a_decompressed_weight_still_held_is_never_overwritten():
     assert torch.equal(c, b)
 
 
+def test_a_view_of_a_decompressed_weight_keeps_its_buffer_and_a_dropped_one_is_reused():
+    x, y = torch.randn(128, 64), torch.randn(128, 64)
+    (dx, sx), (dy, sy) = quant.compress(x, 64, 0), quant.compress(y, 64, 0)
+    ws = quant.Workspace()
+    a = ws.take((128, 64), torch.float32, "cpu")
+    a.copy_(x)
+    row = a[3]                                    # only a view outlives the tensor
+    where = a.data_ptr()
+    del a
+    b = ws.take((128, 64), torch.float32, "cpu")
+    assert b.data_ptr() != where and torch.equal(row, x[3])
+    del row, b
+    assert ws.take((128, 64), torch.float32, "cpu").data_ptr() == where   # free: reused
+    with pytest.raises(ValueError):
+        ws.take((4,), torch.float32, "meta")
+
+
 def test_a_small_tensor_is_worked_on_one_thread_a_large_one_on_all(monkeypatch):
     """A small layer's passes end before a second CPU thread joins; the caller's count is
     restored after either."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 
+import numpy as np
 import torch
 
 from .. import cpu_threads
@@ -136,32 +138,45 @@ class Workspace:
     arithmetic (torch's CPU allocator hands blocks that large back to the kernel). A
     buffer is taken again only once nothing else holds its storage (the weight it held
     is no longer used), so a decompressed tensor a caller keeps is never overwritten; the
-    workspace holds at most what was in use at once."""
+    workspace holds at most what was in use at once.
+
+    Each buffer is a numpy byte array handed out through torch.from_numpy: the storage of
+    every tensor made from it, views included, holds a reference to the array, so the
+    array's reference count says whether any of them is still alive."""
 
     def __init__(self):
         self._local = threading.local()
 
     def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            raise ValueError("the workspace holds CPU buffers")
         pool = self._local.__dict__.setdefault("pool", {})
-        held = pool.setdefault((tuple(shape), dtype, str(device)), [])
+        held = pool.setdefault((tuple(shape), dtype), [])
         for buf in held:
-            if _storage_uses(buf) <= _FREE_USES:
-                return buf
-        buf = torch.empty(shape, dtype=dtype, device=device)
+            if sys.getrefcount(buf) <= _FREE_REFS:
+                return _as_tensor(buf, shape, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        buf = np.empty(n, dtype=np.uint8)
         held.append(buf)
-        return buf
+        return _as_tensor(buf, shape, dtype)
 
     def clear(self) -> None:
         self._local.__dict__.pop("pool", None)
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    # torch has no public count of the tensors sharing a storage. A weakref on the tensor
-    # handed out would not do: views made from it keep the storage alive after it is gone.
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _as_tensor(buf: np.ndarray, shape, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(buf).view(dtype).view(shape)
 
 
-_FREE_USES = _storage_uses(torch.empty(1))   # a tensor nothing else shares storage with
+def _free_refs() -> int:
+    """The reference count `take` sees for a buffer nothing outside the pool holds: the
+    pool's list, the loop's name and getrefcount's argument."""
+    held = [np.empty(1, dtype=np.uint8)]
+    for buf in held:
+        return sys.getrefcount(buf)
+
+
+_FREE_REFS = _free_refs()
 WORKSPACE = Workspace()
 
 
