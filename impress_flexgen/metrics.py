@@ -70,40 +70,40 @@ def _ratio(counters: dict) -> float:
     return counters.get("hits", 0) / total if total else 0.0
 
 
-class _WeightCounters:
+class _Counters:
+    """Running totals of `source`'s attributes as Prometheus counters: ROWS holds
+    (metric name, help, attribute) for each."""
+
+    ROWS: tuple[tuple[str, str, str], ...] = ()
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, doc, attribute in self.ROWS:
+            yield CounterMetricFamily(name, doc, value=getattr(self.source, attribute))
+
+
+class _WeightCounters(_Counters):
     """The runner's layer weights brought to the compute device since start, and the
-    time its layers waited for them (engine.weight_stream), as counters."""
+    time its layers waited for them (engine.weight_stream)."""
 
-    def __init__(self, stream) -> None:
-        self.stream = stream
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        yield CounterMetricFamily("impress_flexgen_weight_bytes_read", "Layer weight bytes "
-                                  "brought to the compute device (from the disk or the CPU)",
-                                  value=self.stream.bytes_read)
-        yield CounterMetricFamily("impress_flexgen_weight_wait_seconds", "Time the layers "
-                                  "waited for their weights (what compute did not hide)",
-                                  value=self.stream.wait_s)
+    ROWS = (("impress_flexgen_weight_bytes_read", "Layer weight bytes brought to the compute "
+             "device (from the disk or the CPU)", "bytes_read"),
+            ("impress_flexgen_weight_wait_seconds", "Time the layers waited for their weights "
+             "(what compute did not hide)", "wait_s"))
 
 
-class _KVHomeCounters:
+class _KVHomeCounters(_Counters):
     """The decode context read back from the disk since start (engine.kv_home: the cache
-    percentages' disk share), and the time decode steps waited for it, as counters."""
+    percentages' disk share), and the time decode steps waited for it."""
 
-    def __init__(self, home) -> None:
-        self.home = home
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        yield CounterMetricFamily("impress_flexgen_decode_kv_disk_bytes_read", "Decode "
-                                  "context bytes read back from the disk",
-                                  value=self.home.bytes_read)
-        yield CounterMetricFamily("impress_flexgen_decode_kv_disk_wait_seconds", "Time "
-                                  "decode steps waited for their context from the disk",
-                                  value=self.home.wait_s)
+    ROWS = (("impress_flexgen_decode_kv_disk_bytes_read", "Decode context bytes read back "
+             "from the disk", "bytes_read"),
+            ("impress_flexgen_decode_kv_disk_wait_seconds", "Time decode steps waited for "
+             "their context from the disk", "wait_s"))
 
 
 class ServiceMetrics:

@@ -226,6 +226,12 @@ def attend_context(kv, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
     q's)."""
     kv.append(k_new, v_new)
     keys, values, mask = kv.view()
+    return attend_one(q, keys, values, mask, work, gqa)
+
+
+def attend_one(q, keys, values, mask, work, gqa: bool) -> torch.Tensor:
+    """q (1, H, 1, d) of one sequence's new token over its context `keys`, `values`
+    (KV, n, d), already holding the token, under `mask`; in `work` (None: q's dtype)."""
     work = work or q.dtype
     out = F.scaled_dot_product_attention(
         q.to(work), keys[None].to(work), values[None].to(work), attn_mask=mask,

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attention import attend_context
+from .attention import attend_context, attend_one
 from .sequence import LayerKV, decode_mask
 
 
@@ -100,15 +100,6 @@ def _remove(fd: int, path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _attend(q, keys, values, mask, work, gqa: bool) -> torch.Tensor:
-    """attend_context's attention call, over a context already holding the new token."""
-    work = work or q.dtype
-    out = F.scaled_dot_product_attention(
-        q.to(work), keys[None].to(work), values[None].to(work), attn_mask=mask,
-        enable_gqa=gqa)
-    return out.to(q.dtype)
-
-
 class DiskKV:
     """One layer's decode context in its sequence's file; `n` positions filled."""
 
@@ -159,7 +150,7 @@ class DiskKV:
         """As attend_context: the new token appended (to the file), q over the context."""
         buf = self.take(k_new, v_new, stats)
         mask = None if self.mask is None else self.mask[None, :, None, :self.n]
-        return _attend(q, buf[0], buf[1], mask, work, gqa)
+        return attend_one(q, buf[0], buf[1], mask, work, gqa)
 
 
 class HostKV:
@@ -188,7 +179,7 @@ class HostKV:
         self.inner.append(k_new.to(host), v_new.to(host))
         keys, values, mask = self.inner.view()
         dev = q.device
-        return _attend(q, keys.to(dev, non_blocking=True), values.to(dev, non_blocking=True),
+        return attend_one(q, keys.to(dev, non_blocking=True), values.to(dev, non_blocking=True),
                        None if mask is None else mask.to(dev), work, gqa)
 
 
