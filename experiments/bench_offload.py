@@ -171,49 +171,13 @@ def ours(job: dict) -> dict:
 def prepare_peer(job: dict) -> dict:
     """Our random weights as a transformers checkpoint (the peer's input), made once, a
     tensor at a time into shards (a model larger than memory is never held whole)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from impress_flexgen.models import dtypes
-    from impress_flexgen.models.reference import _hf_config, our_name, reference_dtype
+    from impress_flexgen.models.reference import save_seeded_checkpoint
     from impress_flexgen.models.runtime import resolve_spec
-    from impress_flexgen.models.weights import parse_random_path, random_tensor
-    from transformers import AutoModelForCausalLM
 
     out = Path(job["hf_dir"])
     if not (out / "config.json").exists():
-        spec = resolve_spec(_runtime_config({**job, "mode": "sync"}))
-        seed, std, _ = parse_random_path(spec.weight_path + "/x")
-        config = _hf_config(spec)
-        compute, ours = reference_dtype(spec), dtypes.torch_dtype(spec.config.dtype)
-        with torch.device("meta"):
-            shapes = {n: tuple(t.shape) for n, t in
-                      AutoModelForCausalLM.from_config(config, dtype=compute).state_dict().items()}
-        out.mkdir(parents=True, exist_ok=True)
-        weight_map, shard, held, total = {}, {}, 0, 0
-
-        def flush():
-            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            weight_map.update({n: name for n in shard})
-            shard.clear()
-
-        for hf_name, shape in shapes.items():
-            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            # Rounded through the runtime's dtype, so both hold identical values.
-            t = random_tensor(our_name(spec, hf_name), shape, seed, std, ours).to(compute)
-            shard[hf_name] = t.contiguous()
-            held += t.numel() * t.element_size()
-            total += t.numel() * t.element_size()
-            if held >= SHARD_BYTES:
-                flush()
-                held = 0
-        if shard:
-            flush()
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}))
-        config.save_pretrained(out)
+        save_seeded_checkpoint(resolve_spec(_runtime_config({**job, "mode": "sync"})), out,
+                               SHARD_BYTES)
     return {"weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import torch
 
@@ -9,7 +11,7 @@ from . import ModelSpec, dtypes
 from .weights import parse_random_path, random_tensor, random_weight_path
 
 
-def _hf_config(spec: ModelSpec):
+def hf_config(spec: ModelSpec):
     from transformers import LlamaConfig as HFLlamaConfig, OPTConfig
 
     c = spec.config
@@ -57,21 +59,60 @@ def load_reference(spec: ModelSpec):
     else:
         # Seeded weights: drawn here as the runtime drew them, also when it reads them from
         # the set it made once in the weights cache (its weight_path then names that set).
-        marker = parse_random_path(spec.weight_path + "/x") or \
-            parse_random_path(random_weight_path(spec.seed) + "/x")
-        seed, std, _ = marker
-        model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=compute)
-        dtype = dtypes.torch_dtype(spec.config.dtype)
-        state = {}
-        for hf_name, param in model.state_dict().items():
-            if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
-            # Round through the runtime's dtype, so both hold identical values.
-            state[hf_name] = random_tensor(our_name(spec, hf_name), tuple(param.shape), seed,
-                                           std, dtype).to(compute).cpu()
-        model.load_state_dict(state, strict=False)
+        model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=compute)
+        shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        model.load_state_dict(dict(seeded_tensors(spec, shapes)), strict=False)
         model.tie_weights()
     return model.eval()
+
+
+def seeded_tensors(spec: ModelSpec, shapes: dict):
+    """(transformers name, tensor in reference_dtype) of a seeded-weights model, one at a
+    time, for `shapes` (name -> shape); a tied lm_head is left out."""
+    marker = parse_random_path(spec.weight_path + "/x") or \
+        parse_random_path(random_weight_path(spec.seed) + "/x")
+    seed, std, _ = marker
+    compute, ours = reference_dtype(spec), dtypes.torch_dtype(spec.config.dtype)
+    tied = hf_config(spec).tie_word_embeddings
+    for hf_name, shape in shapes.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        # Round through the runtime's dtype, so both hold identical values.
+        yield hf_name, random_tensor(our_name(spec, hf_name), shape, seed, std,
+                                     ours).to(compute).cpu().contiguous()
+
+
+def save_seeded_checkpoint(spec: ModelSpec, out: Path, shard_bytes: int = 2 << 30) -> None:
+    """A seeded-weights model as a transformers checkpoint in `out`, written a tensor at a
+    time into safetensors shards, so a model larger than memory is never held whole."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(spec)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=reference_dtype(spec))
+    shapes = {name: tuple(p.shape) for name, p in meta.state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, shard, held, total = {}, {}, 0, 0
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({n: name for n in shard})
+        shard.clear()
+
+    for hf_name, t in seeded_tensors(spec, shapes):
+        shard[hf_name] = t
+        held += t.numel() * t.element_size()
+        total += t.numel() * t.element_size()
+        if held >= shard_bytes:
+            flush()
+            held = 0
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(out)
 
 
 @torch.no_grad()
