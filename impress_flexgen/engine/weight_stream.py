@@ -70,10 +70,11 @@ class WeightStream:
 
     def _token_table(self):
         """The input embedding's token table where its loads can read rows alone (on the
-        disk, loaded into CPU memory, uncompressed), else None."""
+        disk, loaded into CPU memory, uncompressed, by our copy worker: with CUDA FlexGen's
+        own worker copies whole tensors), else None."""
         home = next(_flat(self.model.weight_home[0].val), None)
         dst = getattr(self.model.layers[0], "weight_load_dst", None)
-        if (home is None or len(home.shape) != 2 or dst is None
+        if (self.cuda or home is None or len(home.shape) != 2 or dst is None
                 or home.device.device_type != DeviceType.DISK
                 or dst.device_type != DeviceType.CPU):
             return None
