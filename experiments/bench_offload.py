@@ -23,11 +23,14 @@ weights cache per model for its rows, made by the first),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
 weights could come from the page cache), `predicted_tokens_per_s` and
 `predicted_decode_tokens_per_s` (the policy search's prediction for the row's policy, on the
-rates it measures at start-up; null for the peer). `--quick`: opt-125m under the same placement,
+rates measured at start-up in the rows' dtype and the share of a core a busy thread got
+just before and after the row, `share`: other programs' load, which changes over a long
+run; null for the peer). `--quick`: opt-125m under the same placement,
 and smollm2-135m wholly in memory (what the schedule costs where nothing is offloaded).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -327,7 +330,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.models = [("opt-125m", True), ("smollm2-135m", False)]
         args.prefix, args.tokens, args.gpu_batch_size, args.num_gpu_batches = 128, 8, 4, 4
-    from impress_flexgen.planner.machine import measure_machine
+    from impress_flexgen.planner.machine import cpu_share, measure_machine
 
     # The policy search's rates in the rows' dtype, measured once (cached for this machine)
     # before the rows.
@@ -345,9 +348,12 @@ def main(argv=None) -> int:
                     hf[key] = {"hf_dir": str(Path(tmp) / f"hf-{key}")}
                     hf[key].update(_child("prepare", {**job, **hf[key]}, args.timeout))
                 job.update(hf[key])
+            before = cpu_share()
             row = _child(kind, job, args.timeout)
             if kind == "ours":
-                row.update(predicted(job, machine))
+                share = (before + cpu_share()) / 2
+                row.update(predicted(job, dataclasses.replace(machine, share=share)),
+                           share=share)
                 # The start that made the weights is the first row's; later rows' first
                 # start found them made.
                 made = first_starts.setdefault(job["cache"], row["first_start_s"])

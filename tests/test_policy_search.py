@@ -143,7 +143,7 @@ def test_a_block_of_micro_batches_generates_what_each_prompt_alone_does(offload_
 
 def test_throughput_run_prints_the_policy_and_reports_its_error(tmp_path, capsys,
                                                                   monkeypatch):
-    monkeypatch.setattr(ps, "measure_machine", lambda cuda=None: MACHINE)
+    monkeypatch.setattr(ps, "measure_machine", lambda cuda=None, dtype=None: MACHINE)
     out = tmp_path / "run.json"
     rc = run.main(["--model", "opt-tiny", "--throughput", "--prompt-ids", "5,6,7",
                    "--prompt-ids", "8,9", "--max-new-tokens", "4", "--json", str(out),
@@ -175,7 +175,7 @@ def test_throughput_plans_a_budget_only_the_searched_policy_fits(tmp_path, capsy
     """0.8 GiB holds opt-125m's fp32 weights only partly on disk beside a block's short
     work (the latency plan, sized for 2,048-token passes, refuses it): the search's
     policy is planned and printed."""
-    monkeypatch.setattr(ps, "measure_machine", lambda cuda=None: MACHINE)
+    monkeypatch.setattr(ps, "measure_machine", lambda cuda=None, dtype=None: MACHINE)
     args = ["--model", "opt-125m", "--max-ram-gb", "0.8", "--dtype", "fp32",
             "--no-compress-weight", "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10",
             "--max-new-tokens", "8", "--dry-run", "--offload-dir", str(tmp_path / "off")]
@@ -186,3 +186,95 @@ def test_throughput_plans_a_budget_only_the_searched_policy_fits(tmp_path, capsy
     assert "/0/0, cache" not in line.split("weights ", 1)[1][:12]    # some weights on disk
     with pytest.raises(UserError, match="does not fit"):
         run.main(args)
+
+
+def test_a_product_past_the_measured_rows_costs_the_same_per_row():
+    """Past 64 rows (a prefill's products) each row costs what one of the 64 did, not a
+    64-row product plus the rest at another product's rate (a 4096-square fp32 product's
+    flops_per_s, half what this machine's bf16 kernels reach)."""
+    per_row = MACHINE.row_seconds[-1] / 64
+    for rows in (64, 128, 544, 2176):
+        assert MACHINE.element_seconds(rows) == pytest.approx(per_row * rows, rel=1e-12)
+    assert MACHINE.scaled(flops_per_s=1e9).element_seconds(544) == \
+        MACHINE.element_seconds(544)
+
+
+def test_a_layers_fixed_cost_never_falls_with_the_batch():
+    """A batch-1 fixed cost measured above batch 8's (another program's turn in its steps)
+    counts as batch 8's: a larger micro-batch never costs less."""
+    noisy = MACHINE.scaled(layer_s=(6e-3, 5e-4))
+    costs = [noisy.layer_seconds(b) for b in (1, 2, 4, 8, 16)]
+    assert costs == sorted(costs) and costs[0] == pytest.approx(5e-4)
+    assert MACHINE.layer_seconds(1) == pytest.approx(5e-4)
+    assert MACHINE.layer_seconds(8) == pytest.approx(8e-4)
+
+
+def test_each_weight_format_is_predicted_on_rates_measured_in_its_dtype(opt125):
+    """bf16 and 4-bit weights computed in bf16 predicted on bf16's rates, fp32 on fp32's:
+    the search asks for each compute dtype's machine once."""
+    import torch
+
+    slow = MACHINE.scaled(row_seconds=tuple(10 * x for x in MACHINE.row_seconds))
+    asked = []
+
+    def machine_for(dtype):
+        asked.append(dtype)
+        return slow if dtype == torch.bfloat16 else MACHINE
+
+    from impress_flexgen.models import dtypes
+    bf16 = candidates(False, dtypes.BF16, None)
+    res = _resources(16.0)
+    found = ps.search(opt125, machine_for, res, WORK, formats=bf16 + FP32)
+    assert sorted(map(str, asked)) == ["torch.bfloat16", "torch.float32"]
+    assert found.format.name == "fp32"      # bf16 at a tenth of the rate loses
+    alone = ps.search(opt125, slow, res, WORK, formats=bf16)
+    assert ps.search(opt125, machine_for, res, WORK, formats=bf16).prediction == \
+        alone.prediction
+
+
+def test_throughput_run_measures_the_machine_in_the_dtype_it_searches(tmp_path, capsys,
+                                                                       monkeypatch):
+    import torch
+
+    asked = []
+    monkeypatch.setattr(ps, "measure_machine",
+                        lambda cuda=None, dtype=None: asked.append(dtype) or MACHINE)
+    rc = run.main(["--model", "opt-tiny", "--dtype", "bf16", "--throughput", "--prompt-ids",
+                   "5,6,7", "--max-new-tokens", "2", "--dry-run",
+                   "--offload-dir", str(tmp_path / "off")])
+    assert rc == 0
+    assert asked and set(asked) == {torch.bfloat16}
+
+
+def test_product_rates_are_measured_through_the_models_product(monkeypatch):
+    """A few bf16 rows go by models.base.linear's own kernels: the rates are its."""
+    import torch
+
+    from impress_flexgen.models import base
+
+    seen = []
+    real = base.linear
+    monkeypatch.setattr(base, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or
+                        real(x, w, b))
+    monkeypatch.setattr(machine_mod, "_SIDE", 64)
+    monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 0)
+    out = machine_mod._row_seconds("cpu", torch.bfloat16, lambda: None)
+    assert len(out) == len(machine_mod.ROWS) and all(x > 0 for x in out)
+    assert set(seen) == set(machine_mod.ROWS)
+
+
+def test_products_are_timed_over_more_than_the_last_cache(monkeypatch):
+    """A large model's weights stream from memory at every step: the measured matrices
+    together outgrow the CPU's last cache (480 MiB on the machine this was written on)."""
+    import torch
+
+    from impress_flexgen.models import base
+
+    seen = set()
+    real = base.linear
+    monkeypatch.setattr(base, "linear", lambda x, w, b=None: seen.add(w.data_ptr()) or
+                        real(x, w, b))
+    monkeypatch.setattr(machine_mod, "_SIDE", 64)       # 32 x 128 fp32: 16 KiB a matrix
+    monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 1 << 20)
+    machine_mod._row_seconds("cpu", torch.float32, lambda: None)
+    assert len(seen) * 16 * 1024 >= 2 << 20

@@ -29,7 +29,8 @@ def searched_config(cfg, prompt_len: int, gen_len: int, max_block: int | None = 
     root = Path(cfg.offload_dir).expanduser() if cfg.offload_dir else offload_dir()
     limits = machine_resources(root, cfg.max_ram_bytes, cfg.max_disk_bytes)
     formats = _formats(cfg, spec, limits.cuda)
-    found = search(model_shape(spec), measure_machine(limits.cuda), limits,
+    # Each format's policies predicted on rates measured in its compute dtype (cached).
+    found = search(model_shape(spec), lambda dtype: measure_machine(limits.cuda, dtype), limits,
                    Workload(prompt_len, gen_len), formats=formats,
                    reserve=(cfg.gpu_reserve_bytes, cfg.cpu_reserve_bytes),
                    compress_cache=True if cfg.compress_cache else None, max_block=max_block)

@@ -3,19 +3,24 @@ beside RATES.json in the weights cache.
 
     machine = measure_machine(cuda=torch.cuda.is_available())
 
-Reused from the planner's estimate (estimate.measure_rates): the compute dtype's product
-rate and the bytes a one-row product streams. Measured here, each the best of a few short
-runs: the time per weight element of products of 1, 4, 16 and 64 rows (a decode block's
-products are neither one row nor a prefill's many), over 128 MiB of matrices so that they
-come from memory, not the cache; 4-bit unpacking; reading FlexGen's disk files the way its
+Everything is measured in one compute dtype (a weight format's: bf16 products run other
+kernels than fp32's, at other rates) and cached per dtype. Reused from the planner's
+estimate (estimate.measure_rates): the compute dtype's product rate and the bytes a one-row
+product streams. Measured here, each the best of a few short runs: the time per weight
+element of products of 1, 4, 16 and 64 rows through the models' own product
+(models.base.linear: a few bf16 rows go by other kernels than F.linear's), over matrices
+twice the size of the CPU's last cache (at least 128 MiB; this machine's is 480 MiB) so
+that they come from memory, as a large model's weights do (a decode block's products are
+neither one row nor a prefill's many; past 64 rows a product costs the same per row);
+4-bit unpacking; reading FlexGen's disk files the way its
 copy threads do (memory maps of .npy files copied into new tensors by four threads at once:
 a fixed cost per file and a rate, from small and large files, so what is measured is what
 FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU" without
 CUDA; with CUDA the CPU-GPU link); how much a copy slows a product running beside it
 (`contention`: 0 for perfect overlap, 1 for none); one FlexGen layer's fixed cost, from
-decode steps of the 2-layer opt-tiny at batch 1 and 8 (Python and kernel launches, what a
-small model's decode mostly is). With one CPU thread a product is timed by its thread's CPU
-time. At every call, not cached: the share of a core a busy thread gets now (other
+decode steps of the 2-layer opt-tiny in the same dtype at batch 1 and 8 (Python and kernel
+launches, what a small model's decode mostly is). With one CPU thread a product is timed by
+its thread's CPU time. At every call, not cached: the share of a core a busy thread gets now (other
 programs' load), which stretches every predicted second.
 """
 from __future__ import annotations
@@ -35,11 +40,29 @@ from .costs import machine_key
 from .estimate import Rates, measure_rates
 
 CACHE_FILE = "MACHINE.json"
-CACHE_VERSION = 3   # 2: products over 128 MiB of matrices, disk read by four threads;
-                    # 3: read past the page cache, as the runtime reads disk weights
+CACHE_VERSION = 4   # 2: products over 128 MiB of matrices, disk read by four threads;
+                    # 3: read past the page cache, as the runtime reads disk weights;
+                    # 4: products through models.base.linear, over twice the last cache,
+                    #    layer cost in the dtype
 ROWS = (1, 4, 16, 64)
 _SIDE = 2048
-_MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, past the caches' share a program gets
+_MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, the least measured over
+_MAX_MATRIX_BYTES = 2 << 30
+
+
+def _last_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 0 where unknown."""
+    from pathlib import Path
+
+    sizes = [0]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except (OSError, ValueError):
+            pass
+    return max(sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +83,22 @@ class Machine:
 
     def element_seconds(self, rows: int) -> float:
         """Seconds per weight element of a product of `rows` rows: interpolated between
-        the measured row counts, past the last at the prefill's product rate."""
+        the measured row counts; past the last, each row costs what one of its rows did
+        (the product is bound by arithmetic there, at the rate measured in this product's
+        shape and kernels: a 4096-square product's `flops_per_s` may run other ones)."""
         xs = np.array(ROWS, dtype=float)
         ys = np.array(self.row_seconds)
         if rows <= ROWS[-1]:
             return float(np.interp(rows, xs, ys))
-        return float(ys[-1]) + 2.0 * (rows - ROWS[-1]) / self.flops_per_s
+        return float(ys[-1]) * rows / ROWS[-1]
 
     def layer_seconds(self, batch: int) -> float:
-        """A layer's fixed cost for a micro-batch of `batch` sequences (linear in it)."""
+        """A layer's fixed cost for a micro-batch of `batch` sequences (linear in it, never
+        below batch 1's: a batch of 8 measured cheaper was another program's turn in the
+        batch-1 steps)."""
         one, eight = self.layer_s
-        return max(one + (eight - one) * (batch - 1) / 7, 0.0)
+        one = min(one, eight)
+        return one + (eight - one) * (batch - 1) / 7
 
     def scaled(self, **rates: float) -> "Machine":
         """This machine with some rates replaced (what the search would do elsewhere)."""
@@ -101,10 +129,15 @@ def _best(fn, repeats: int = 5, sync=lambda: None, clock=time.perf_counter) -> f
 def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     """Seconds per weight element of a product of each of ROWS rows, over matrices that
     together outgrow the CPU's caches (a decode step streams every weight from memory: one
-    matrix used again and again would be read from the cache)."""
+    matrix used again and again would be read from the cache), by the models' product."""
+    from ..models.base import linear
+
     gen = torch.Generator().manual_seed(0)
-    mats = [torch.randn(_SIDE // 2, 2 * _SIDE, generator=gen).to(device, dtype)
-            for _ in range(_MATRICES)]
+    first = torch.randn(_SIDE // 2, 2 * _SIDE, generator=gen).to(device, dtype)
+    one = first.numel() * first.element_size()
+    wanted = 2 * _last_cache_bytes() if device == "cpu" else 0
+    count = max(_MATRICES, min(-(-wanted // one), _MAX_MATRIX_BYTES // one))
+    mats = [first] + [first.clone() for _ in range(count - 1)]   # the values do not matter
     out = []
     for rows in ROWS:
         x = torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype)
@@ -114,7 +147,7 @@ def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
             for i, w in enumerate(mats):
                 sync()
                 t0 = clock()
-                torch.nn.functional.linear(x, w)
+                linear(x, w)
                 sync()
                 best[i] = min(best[i], clock() - t0)
         out.append(sum(best[1:]) / sum(w.numel() for w in mats[1:]))   # [0]: first touch
@@ -212,21 +245,23 @@ def _on_thread(fn):
     t.join()
 
 
-def _layer_s() -> tuple[float, float]:
+def _layer_s(dtype: torch.dtype) -> tuple[float, float]:
     """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of opt-tiny
-    over its six layers (its products are a few thousand elements), the two batches taking
-    turns so that other work on the machine weighs on both alike."""
+    in `dtype` over its six layers (its products are a few thousand elements), the two
+    batches taking turns so that other work on the machine weighs on both alike."""
     from contextlib import ExitStack
 
     from flexgen.timer import timers
 
+    from ..models import dtypes
     from ..models.placement import Placement
     from ..models.runtime import Runtime, RuntimeConfig
 
     with ExitStack() as stack:
         runtimes = {b: stack.enter_context(Runtime(RuntimeConfig(
             model="opt-tiny", placement=Placement(), gpu_batch_size=b, work_tokens=32,
-            max_ram_bytes=1 << 30))) for b in (1, 8)}
+            dtype=dtypes.of_name(dtypes.flag(dtype)), max_ram_bytes=1 << 30)))
+            for b in (1, 8)}
         steps: dict[int, list[float]] = {1: [], 8: []}
         for _ in range(3):
             for b, rt in runtimes.items():
@@ -257,7 +292,7 @@ def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
     disk_rate, disk_file = _disk(paths.offload_dir(), cuda)
     return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
                    _row_seconds(device, dtype, sync),
-                   disk_rate, disk_file, _link(cuda), _layer_s(), _contention(cuda))
+                   disk_rate, disk_file, _link(cuda), _layer_s(dtype), _contention(cuda))
 
 
 def _cuda_rates(dtype) -> Rates:

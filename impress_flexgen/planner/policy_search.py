@@ -5,6 +5,7 @@ decodes on this machine, and the policy that decodes fastest within the memory l
     shape = model_shape(spec)                         # per FlexGen layer: its tensors
     predict(shape, Policy(...), machine, Workload(512, 32)).decode_tokens_per_s
     best = search(shape, machine, limits, Workload(512, 32))   # a SearchResult
+    best = search(shape, lambda dtype: measure_machine(False, dtype), limits)  # per format
 
 A decode step runs every FlexGen layer (the embedding, each layer's attention and MLP, the
 output) once per micro-batch: `num_gpu_batches` micro-batches of `gpu_batch_size`
@@ -276,15 +277,28 @@ def _needs(fp, placed, heads: int, p: Policy, limits, reserve: tuple[int, int]) 
                  fp.weight_bytes)
 
 
-def search(shape: Shape, machine: Machine, limits, workload: Workload = Workload(),
+def search(shape: Shape, machine, limits, workload: Workload = Workload(),
            formats=None, reserve: tuple[int, int] = (0, 0), compress_cache: bool | None = None,
            max_block: int | None = None) -> SearchResult | None:
     """The policy with the most tokens/s for `workload` among those whose bytes fit
     `limits` (placement.Resources: --max-ram-gb, --max-disk-gb, free GPU memory); None
-    when none fits. `formats`: the weight formats weighed (default: --placement auto's
-    for the device); `compress_cache` None weighs both; `max_block`: at most this many
-    sequences in a block (the prompts there are)."""
+    when none fits. `machine`: the rates, a Machine, or a function of a format's compute
+    dtype (torch) giving those measured in it, asked once per format that has a policy
+    that fits. `formats`: the weight formats weighed (default: --placement auto's for the
+    device); `compress_cache` None weighs both; `max_block`: at most this many sequences in
+    a block (the prompts there are)."""
+    from ..models import dtypes
     from ..models.formats import candidates
+
+    machines: dict = {}
+
+    def rates(fmt) -> Machine:
+        if not callable(machine):
+            return machine
+        key = dtypes.name(fmt.dtype)
+        if key not in machines:
+            machines[key] = machine(dtypes.torch_dtype(fmt.dtype))
+        return machines[key]
 
     formats = formats or candidates(limits.cuda)
     caches = (False, True) if compress_cache is None else (compress_cache,)
@@ -308,7 +322,7 @@ def search(shape: Shape, machine: Machine, limits, workload: Workload = Workload
             if fits(need, limits) is not None:
                 continue
             weighed += 1
-            pr = predict(fmt_shape, p, machine, workload)
+            pr = predict(fmt_shape, p, rates(fmt), workload)
             if best is None or pr.tokens_per_s > best[0].tokens_per_s:
                 best = (pr, fmt, need)
     if best is None:
