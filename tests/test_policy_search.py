@@ -125,9 +125,20 @@ def test_machine_rates_are_cached_for_the_next_start(monkeypatch):
     monkeypatch.setattr(machine_mod, "cpu_share", lambda: 1.0)
     assert machine_mod.measure_machine(False) == MACHINE
     assert machine_mod.measure_machine(False) == MACHINE
-    assert len(calls) == 1
+    assert len(calls) == machine_mod.TRIES
     machine_mod.measure_machine(False, use_cache=False)
-    assert len(calls) == 2
+    assert len(calls) == 2 * machine_mod.TRIES
+
+
+def test_the_fastest_of_each_rate_measured_is_kept(monkeypatch):
+    """Another program's turn slows some tries of a rate: each rate is its fastest try."""
+    tries = iter([MACHINE.scaled(disk_bytes_per_s=5e8, layer_s=(1e-3, 9e-4)),
+                  MACHINE.scaled(row_seconds=(9e-10, 1e-9, 1e-9, 2e-9), contention=0.9),
+                  MACHINE.scaled(flops_per_s=1e10)])
+    monkeypatch.setattr(machine_mod, "TRIES", 3)
+    monkeypatch.setattr(machine_mod, "_measure", lambda cuda, dtype: next(tries))
+    monkeypatch.setattr(machine_mod, "cpu_share", lambda: 1.0)
+    assert machine_mod.measure_machine(False, use_cache=False) == MACHINE
 
 
 def test_a_block_of_micro_batches_generates_what_each_prompt_alone_does(offload_dir):
