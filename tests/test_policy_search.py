@@ -286,6 +286,22 @@ def test_products_are_timed_over_more_than_the_last_cache(monkeypatch):
     monkeypatch.setattr(base, "linear", lambda x, w, b=None: seen.add(w.data_ptr()) or
                         real(x, w, b))
     monkeypatch.setattr(machine_mod, "_SIDE", 64)       # 32 x 128 fp32: 16 KiB a matrix
-    monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 256 << 10)
     machine_mod._row_seconds("cpu", torch.float32, lambda: None)
-    assert len(seen) * 16 * 1024 >= 2 << 20
+    assert len(seen) * 16 * 1024 >= 512 << 10 > machine_mod._MATRICES * 16 * 1024
+
+
+def test_the_disk_is_timed_on_files_a_large_models_matrices_fill(monkeypatch, tmp_path):
+    """A decode step reads gigabytes in files of tens of MiB (read in two streams): the
+    disk's rate comes from files that large, half a GiB a pass, not from 8 MiB bursts."""
+    from impress_flexgen.models import direct_read
+
+    sizes = []
+    monkeypatch.setattr(machine_mod.np, "save", lambda path, a: sizes.append(a.nbytes) or
+                        (tmp_path / "x").write_bytes(b""))
+    monkeypatch.setattr(machine_mod.np.lib.format, "open_memmap",
+                        lambda path, mode: np.zeros(0, np.float32))
+    monkeypatch.setattr(direct_read, "read_npy", lambda path, dst: 0)
+    machine_mod._disk(tmp_path, False)
+    assert max(sizes) >= direct_read.SPLIT and sum(s for s in sizes if s == max(sizes)) \
+        >= 512 << 20
