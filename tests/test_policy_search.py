@@ -131,13 +131,16 @@ def test_machine_rates_are_cached_for_the_next_start(monkeypatch):
 
 
 def test_the_fastest_of_each_rate_measured_is_kept(monkeypatch):
-    """Another program's turn slows some tries of a rate: each rate is its fastest try."""
+    """Another program's turn slows some tries of a rate: each rate is its fastest try;
+    the disk's, which no program's turn on the cores slows, is its middle one."""
     tries = iter([MACHINE.scaled(disk_bytes_per_s=5e8, layer_s=(1e-3, 9e-4)),
-                  MACHINE.scaled(row_seconds=(9e-10, 1e-9, 1e-9, 2e-9), contention=0.9),
+                  MACHINE.scaled(row_seconds=(9e-10, 1e-9, 1e-9, 2e-9), contention=0.9,
+                                 disk_bytes_per_s=3e9, disk_file_s=1e-5),
                   MACHINE.scaled(flops_per_s=1e10)])
     monkeypatch.setattr(machine_mod, "TRIES", 3)
     monkeypatch.setattr(machine_mod, "_measure", lambda cuda, dtype: next(tries))
     monkeypatch.setattr(machine_mod, "cpu_share", lambda: 1.0)
+    # the disk's middle try (1e9 B/s and its 1e-4 s a file), not its fastest
     assert machine_mod.measure_machine(False, use_cache=False) == MACHINE
 
 
@@ -305,3 +308,17 @@ def test_the_disk_is_timed_on_files_a_large_models_matrices_fill(monkeypatch, tm
     machine_mod._disk(tmp_path, False)
     assert max(sizes) >= direct_read.SPLIT and sum(s for s in sizes if s == max(sizes)) \
         >= 512 << 20
+
+
+def test_the_disk_moves_its_bytes_while_other_programs_have_the_cores(opt125):
+    """On a loaded machine (a busy thread gets half a core) compute and a file's fixed cost
+    take twice as long; the disk's bytes do not."""
+    on_disk = Policy(0, 0, 100, 0, 1, 1)
+    calm = ps.predict(opt125, on_disk, MACHINE, WORK, overlap=False)
+    loaded = ps.predict(opt125, on_disk, MACHINE.scaled(share=0.5), WORK, overlap=False)
+    files = sum(len(x.elements) * x.count for x in opt125.layers)
+    assert loaded.compute_s == pytest.approx(2 * calm.compute_s, rel=1e-9)
+    assert loaded.read_s == pytest.approx(calm.read_s + files * MACHINE.disk_file_s, rel=1e-9)
+    in_memory = Policy(0, 100, 100, 0, 1, 1)      # CPU memory: a copy takes a core
+    assert ps.predict(opt125, in_memory, MACHINE.scaled(share=0.5), WORK).read_s == \
+        pytest.approx(2 * ps.predict(opt125, in_memory, MACHINE, WORK).read_s, rel=1e-9)

@@ -21,7 +21,9 @@ sequences share one load of the layer's weights (FlexGen's block schedule). Per 
 With overlap (FlexGen's pipelined loop) the next layer is read while this one computes:
 max(read, compute), plus the share the two lose to each other where the reading takes the
 same cores (a CPU without CUDA: `contention`, measured); in sync, read + compute. Every
-second is stretched by the share of a core a thread gets now (`share`: other programs). The
+second the CPU spends (compute, a file's fixed cost, a memory copy without CUDA) is
+stretched by the share of a core a thread gets now (`share`: other programs); the disk's
+bytes are not (the disk moves them while another program has the core). The
 search weighs every weight format, weight percentages in steps, where the KV cache goes,
 batch sizes in powers of two and 4-bit cache, keeps those whose bytes fit every device
 (placement.needs, the accounting --placement uses) and returns the most tokens/s.
@@ -151,6 +153,7 @@ def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int) -
     """Seconds to bring one layer's weights to the compute device; `rows` token rows embedded
     (a token table on the disk, loaded into CPU memory, is read for those rows alone)."""
     seconds = 0.0
+    cpu = m.share if not m.cuda else 1.0      # a copy in memory takes a core
     for i, (elements, matrix, home) in enumerate(zip(layer.elements, layer.matrix,
                                                      _homes(layer.elements, p.w_gpu, p.w_cpu))):
         packed = p.compress_weight and matrix
@@ -160,9 +163,10 @@ def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int) -
                 and not m.cuda and vocab):
             nbytes = min(nbytes, rows * nbytes / vocab + rows * 64 * 1024)
         if home == "disk":
-            seconds += m.disk_file_s * (2 if packed else 1) + nbytes / m.disk_bytes_per_s
+            seconds += m.disk_file_s * (2 if packed else 1) / m.share + \
+                nbytes / m.disk_bytes_per_s
         elif home == "cpu":
-            seconds += nbytes / m.link_bytes_per_s
+            seconds += nbytes / m.link_bytes_per_s / cpu
     return seconds
 
 
@@ -173,9 +177,10 @@ def _cache_read(shape: Shape, p: Policy, m: Machine, tokens: float, new: float) 
     total = _value_bytes(values * tokens, shape.itemsize, p.compress_cache)
     stored = _value_bytes(values * new, shape.itemsize, p.compress_cache)
     disk = (100 - p.cache_gpu - p.cache_cpu) / 100
-    seconds = p.cache_cpu / 100 * (total + stored) / m.link_bytes_per_s
+    cpu = m.share if not m.cuda else 1.0
+    seconds = p.cache_cpu / 100 * (total + stored) / m.link_bytes_per_s / cpu
     if disk:
-        seconds += 4 * m.disk_file_s + disk * (total + stored) / m.disk_bytes_per_s
+        seconds += 4 * m.disk_file_s / m.share + disk * (total + stored) / m.disk_bytes_per_s
     return seconds
 
 
@@ -197,7 +202,7 @@ def _compute(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int,
         seconds += kv * shape.itemsize / m.bytes_per_s + 2 * kv * queries / m.flops_per_s
         if p.compress_cache:
             seconds += kv / m.unpack_per_s
-    return seconds
+    return seconds / m.share      # other programs' turns on the cores stretch it
 
 
 def _step(shape: Shape, p: Policy, m: Machine, rows: int, tokens: float, queries: int,
@@ -216,8 +221,7 @@ def _step(shape: Shape, p: Policy, m: Machine, rows: int, tokens: float, queries
             step += layer.count * (max(read, compute) + m.contention * min(read, compute))
         else:
             step += layer.count * (read + compute)
-    # Other programs' turns on a shared machine stretch every second alike.
-    return step / m.share, reads / m.share, computes / m.share
+    return step, reads, computes
 
 
 def predict(shape: Shape, policy: Policy, machine: Machine,
