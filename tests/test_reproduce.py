@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from experiments import peers, reproduce
+from impress_flexgen.models import dtypes
 
 PNG = b"\x89PNG"
 
@@ -80,3 +81,15 @@ def test_bad_parts():
     with pytest.raises(SystemExit) as exc:
         reproduce.main(["--parts", "nonsense"])
     assert exc.value.code == 2
+
+
+def test_model_flags_reach_the_runtime():
+    """A larger model at bf16 within a RAM cap: the parts run on what `run` would build
+    from the same flags."""
+    args = reproduce.parse_args(["--model", "opt-6.7b", "--dtype", "bf16", "--max-ram-gb",
+                                 "12", "--placement", "auto", "--seed", "3"])
+    cfg = reproduce.runtime_config(args)
+    assert cfg.model == "opt-6.7b" and cfg.seed == 3
+    assert dtypes.flag(cfg.dtype) == "bf16"
+    assert cfg.max_ram_bytes == 12 * 2**30
+    assert reproduce.runtime_config(reproduce.parse_args([])).dtype is None
