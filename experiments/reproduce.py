@@ -83,6 +83,27 @@ QUICK = Sizes(WorkloadConfig(n_prefixes=2, prefix_tokens=512, queries_per_prefix
                              queries_per_prefix=1, query_tokens=32, mode="padded"))
 
 
+def fitted(sizes: Sizes, positions: int, chunk: int = 64) -> tuple[Sizes, list[str]]:
+    """The workloads within the model's positions: a prefix, a query and the new token must
+    fit (OPT has 2,048, so its longest prefix is 1,920 tokens, whole 64-token chunks, beside a
+    64-token query; the scaling part skips the lengths that do not). Returns them and what
+    was cut."""
+    notes = []
+
+    def fit(name: str, wl: WorkloadConfig) -> WorkloadConfig:
+        room = (positions - wl.query_tokens - 1) // chunk * chunk
+        if wl.prefix_tokens <= room:
+            return wl
+        notes.append(f"{name}: prefixes of {room} tokens, not {wl.prefix_tokens} (the model "
+                     f"has {positions} positions)")
+        return dataclasses.replace(wl, prefix_tokens=room,
+                                   real_tokens=min(wl.real_tokens, room // 2))
+
+    return dataclasses.replace(sizes, serving=fit("serving", sizes.serving),
+                               sensitivity=fit("sensitivity", sizes.sensitivity),
+                               padded=fit("padded", sizes.padded)), notes
+
+
 # The paper's token selection (Fig. 20): voted tokens scatter over many chunks unless
 # reordering packs them; whole-chunk selection loads the same count either way.
 PAPER_TOKEN = dict(granularity="token", threshold="adaptive", probe_heads="first:3",
@@ -253,7 +274,7 @@ class Reproduction:
         for n in self.sizes.scaling_lengths:
             cfg = WorkloadConfig(n_prefixes=1, prefix_tokens=n,
                                  queries_per_prefix=self.sizes.scaling_queries)
-            if n + cfg.query_tokens > limit:
+            if n + cfg.query_tokens + 1 > limit:
                 print(f"scaling: {n} tokens exceed {rt.spec.name}'s {limit} positions; skipped")
                 continue
             wl = build_workload(rt.tokenizer, cfg)
@@ -407,8 +428,11 @@ def main(argv=None) -> int:
         except ValueError:
             raise UserError("--scaling-lengths: comma-separated integers") from None
         sizes = dataclasses.replace(sizes, scaling_lengths=lengths)
-    rep = Reproduction(args, sizes)
     with Runtime(runtime_config(args)) as rt:
+        sizes, notes = fitted(sizes, rt.spec.config.max_seq_len)
+        for note in notes:
+            print(f"{args.model}: {note}", flush=True)
+        rep = Reproduction(args, sizes)
         about = {"model": args.model, "quick": args.quick,
                  "dtype": dtypes.flag(rt.cfg.dtype), "plan": rt.plan.describe()}
         everything = {**about, "parts": {}}

@@ -93,3 +93,15 @@ def test_model_flags_reach_the_runtime():
     assert dtypes.flag(cfg.dtype) == "bf16"
     assert cfg.max_ram_bytes == 12 * 2**30
     assert reproduce.runtime_config(reproduce.parse_args([])).dtype is None
+
+
+def test_workloads_fit_the_model_positions():
+    """OPT has 2,048 positions: the serving part's 2,048-token prefixes plus a query would
+    run off its position table, so they are cut to whole chunks that fit."""
+    sizes, notes = reproduce.fitted(reproduce.FULL, 2048)
+    assert sizes.serving.prefix_tokens == 1920 and sizes.padded.prefix_tokens == 1920
+    assert sizes.padded.real_tokens < sizes.padded.prefix_tokens
+    assert sizes.sensitivity == reproduce.FULL.sensitivity       # 1,024 tokens fit
+    assert any("serving" in n and "1920" in n for n in notes)
+    same, none = reproduce.fitted(reproduce.FULL, 8192)
+    assert same == reproduce.FULL and none == []
