@@ -322,3 +322,24 @@ def test_the_disk_moves_its_bytes_while_other_programs_have_the_cores(opt125):
     in_memory = Policy(0, 100, 100, 0, 1, 1)      # CPU memory: a copy takes a core
     assert ps.predict(opt125, in_memory, MACHINE.scaled(share=0.5), WORK).read_s == \
         pytest.approx(2 * ps.predict(opt125, in_memory, MACHINE, WORK).read_s, rel=1e-9)
+
+
+def test_a_product_of_fewer_rows_never_costs_more_per_element(monkeypatch):
+    """A product of 4 rows timed slower than one of 16 (another program's turn) counts as
+    the 16-row one: the measured curve never falls as the rows grow."""
+    import torch
+
+    from impress_flexgen.models import base
+
+    slow = {4: 50}          # rows -> spins a product of them waits (another program)
+    real = base.linear
+
+    def linear(x, w, b=None):
+        for _ in range(slow.get(x.shape[0], 0)):
+            sum(range(200))
+        return real(x, w, b)
+    monkeypatch.setattr(base, "linear", linear)
+    monkeypatch.setattr(machine_mod, "_SIDE", 64)
+    monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 0)
+    out = machine_mod._row_seconds("cpu", torch.float32, lambda: None)
+    assert list(out) == sorted(out)

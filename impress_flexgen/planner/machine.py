@@ -138,20 +138,23 @@ def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     wanted = 2 * _last_cache_bytes() if device == "cpu" else 0
     count = max(_MATRICES, min(-(-wanted // one), _MAX_MATRIX_BYTES // one))
     mats = [first] + [first.clone() for _ in range(count - 1)]   # the values do not matter
-    out = []
-    for rows in ROWS:
-        x = torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype)
-        best = [float("inf")] * len(mats)
-        clock = _clock() if device == "cpu" else time.perf_counter
-        for _ in range(4):      # each product timed alone: short enough to run undisturbed
+    inputs = [torch.randn(rows, 2 * _SIDE, generator=gen).to(device, dtype) for rows in ROWS]
+    best = [[float("inf")] * len(mats) for _ in ROWS]
+    clock = _clock() if device == "cpu" else time.perf_counter
+    # The row counts take turns, each product timed alone (short enough to run undisturbed),
+    # so that another program's turn weighs on every row count alike.
+    for _ in range(4):
+        for r, x in enumerate(inputs):
             for i, w in enumerate(mats):
                 sync()
                 t0 = clock()
                 linear(x, w)
                 sync()
-                best[i] = min(best[i], clock() - t0)
-        out.append(sum(best[1:]) / sum(w.numel() for w in mats[1:]))   # [0]: first touch
-    return tuple(out)
+                best[r][i] = min(best[r][i], clock() - t0)
+    seconds = [sum(b[1:]) / sum(w.numel() for w in mats[1:]) for b in best]  # [0]: first touch
+    # A product of fewer rows is part of one of more: it costs no more per weight element
+    # (a few rows measured slower than more were slowed by another program).
+    return tuple(min(seconds[r:]) for r in range(len(ROWS)))
 
 
 COPY_THREADS = 4     # FlexGen's TorchDisk copy threads, reading files side by side
