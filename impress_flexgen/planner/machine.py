@@ -168,7 +168,7 @@ def _disk(root, cuda: bool) -> tuple[float, float]:
     threads do: past the page cache (direct_read) where the runtime reads so (weights loaded
     into CPU memory), through a memory map where FlexGen's own copy does. Half a GiB a pass:
     a decode step reads gigabytes, and a shorter read meets a virtual disk's bursts (8 MiB
-    files gave 1.4-1.8 GB/s here where a step's reads ran at 0.9-1.0 GB/s)."""
+    files gave 1.4-1.8 GB/s here where a step's reads ran at 0.7-1.0 GB/s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..models import direct_read
