@@ -5,6 +5,7 @@ canonical tiles, and one new token per sequence over its own context (decode).
                  device=device)
     groups, lanes = plan_rows([(first_row, positions, end), ...], n_rows, device)
     attn = attend_lane(attend, q, keys, values, mask, lanes[i])
+    calls = LaneCalls(attend); out = calls.add(q, keys, values, mask, lanes[i]); calls.run()
     side = SideBySide(); side.hold(seqs, n_head); out = side.attend(layer, q, k, v, ...)
 
 Canonical prefill rows: an exact policy's answers never depend on what was stored.
@@ -19,7 +20,8 @@ shapes do not depend on how much of the prompt was stored, nor on the pass's oth
   prefix's last chunk boundary) go through every product in calls of exactly TILE rows (the
   pass's such rows one after the other, the last call padded), and attend by tiles of TILE
   positions aligned at multiples of TILE: a tile's queries (padded to TILE) over keys
-  [0, tile end) in position order. A row comes out the same whatever else shares its calls,
+  [0, tile end) in position order (a pass's tiles of one shape in one batched call,
+  LaneCalls: each comes out as it would alone). A row comes out the same whatever else shares its calls,
   so stored KV is the KV a recomputation makes, bit for bit, however the prefix got stored;
 - the rest of a request (the prefix's last partial chunk and the query) is never stored: its
   rows go through each product in one call with every other request's such rows (the block),
@@ -59,32 +61,36 @@ def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: in
     """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
     head may see; the last `causal_tail` keys are the new tokens themselves (causal).
     The first `front` queries (a recomputed prefix front) see none of the keys before
-    the tail: those are prefix tokens after them. `group`: query heads per KV head."""
-    s, m = q.shape[2], keys.shape[1]
+    the tail: those are prefix tokens after them. `group`: query heads per KV head.
+    Several calls of one shape at once (LaneCalls): q (B, H, s, d), keys/values
+    (B, KV, m, d), mask (B, KV, m), no front."""
+    if keys.dim() == 3:
+        keys, values, mask = keys[None], values[None], mask[None]
+    s, m = q.shape[2], keys.shape[2]
     if front:
         # The front over its own keys only (the first of the tail), the rest over all:
         # masking the prefix out of the front's rows would still compute them.
         lo = m - causal_tail
-        head = attend(q[:, :, :front], keys[:, lo:lo + front], values[:, lo:lo + front],
-                      mask[:, lo:lo + front], front, group=group, device=device)
+        head = attend(q[:, :, :front], keys[:, :, lo:lo + front], values[:, :, lo:lo + front],
+                      mask[:, :, lo:lo + front], front, group=group, device=device)
         rest = attend(q[:, :, front:], keys, values, mask, causal_tail - front, group=group,
                       device=device)
         return torch.cat([head, rest], dim=2)
     # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
     # serves all heads, instead of a copy per head.
-    shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
-    rows = mask[:1] if shared else mask
-    allowed = rows[:, None, :].expand(-1, s, -1).clone()          # (KV or 1, s, m)
+    shared = mask.shape[1] == 1 or bool((mask == mask[:, :1]).all())
+    rows = mask[:, :1] if shared else mask
+    allowed = rows[:, :, None, :].expand(-1, -1, s, -1).clone()   # (B, KV or 1, s, m)
     tail = torch.ones(s, causal_tail, dtype=torch.bool, device=device).tril(
         diagonal=causal_tail - s)
-    allowed[:, :, m - causal_tail:] &= tail
+    allowed[..., m - causal_tail:] &= tail
     # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
-    allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, device)
-    allowed = allowed[None] if shared else \
-        allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
+    allowed[..., m - causal_tail:] |= _diagonal(s, causal_tail, device)
+    if not shared:
+        allowed = allowed.repeat_interleave(group, dim=1)          # (B, H, s, m)
     work = work_dtype(q.dtype, device)
     out = F.scaled_dot_product_attention(
-        q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
+        q.to(work), keys.to(work), values.to(work), attn_mask=allowed,
         enable_gqa=group > 1)
     return out.to(q.dtype)
 
@@ -188,36 +194,87 @@ def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
     return groups, rows
 
 
-def _upto(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x's first n positions (dim 1), zero (False) past its end."""
-    if x.shape[1] >= n:
-        return x[:, :n]
-    return torch.cat([x, x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:])], dim=1)
-
-
 def attend_lane(attend, q, keys, values, mask, lane: LaneRows) -> torch.Tensor:
     """One request's attention: q (1, H, s, d) of its rows over keys, values (KV, total, d)
     and mask (KV, total), all in position order (its rows are the last of them). `attend`:
     attention.attend with the model's grouping (q, keys, values, mask, causal_tail)."""
-    out = q.new_empty(q.shape)
-    for local, slots, t0 in lane.tiles:
-        whole = len(local) == TILE      # a whole tile: its rows, in order
-        if whole:
-            first = int(local[0])
-            q_tile = q[:, :, first:first + TILE].contiguous()
-        else:
-            q_tile = q.new_zeros(*q.shape[:2], TILE, q.shape[3])
-            q_tile[:, :, slots] = q[:, :, local]
-        end = t0 + TILE
-        part = attend(q_tile, _upto(keys, end), _upto(values, end), _upto(mask, end), TILE)
-        if whole:
-            out[:, :, first:first + TILE] = part
-        else:
-            out[:, :, local] = part[:, :, slots]
-    if lane.n_block:
-        out[:, :, -lane.n_block:] = attend(q[:, :, -lane.n_block:].contiguous(), keys,
-                                           values, mask, lane.n_block)
+    calls = LaneCalls(attend)
+    out = calls.add(q, keys, values, mask, lane)
+    calls.run()
     return out
+
+
+# Bytes of keys and values one batched attention call lays side by side; more calls of a
+# shape than fit go in several (each call's rows come out the same either way).
+BATCH_BYTES = 256 << 20
+
+
+class LaneCalls:
+    """The canonical attention calls of a pass's requests (each one's tiles and block), the
+    calls of one shape made as one batched call: a layer of a pass attends in a few calls,
+    not a few per request. Each element of a batched call comes out as that call alone (the
+    attention kernels split their work by element, head and query block), so a tile's rows
+    are the same bits whichever requests share the pass (tests/test_exact_store.py).
+
+        calls = LaneCalls(attend); outs = [calls.add(q, k, v, mask, rows) ...]; calls.run()
+    """
+
+    def __init__(self, attend):
+        self.attend = attend
+        self.shapes: dict[tuple, list] = {}    # (queries, keys, causal tail, shared) -> calls
+
+    def add(self, q, keys, values, mask, lane: LaneRows) -> torch.Tensor:
+        """One request's calls (as attend_lane); its output, filled in by run()."""
+        out = q.new_empty(q.shape)
+        shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
+        for local, slots, t0 in lane.tiles:
+            end = t0 + TILE        # a tile's queries (padded to TILE) over keys [0, end)
+            where = slice(int(local[0]), int(local[0]) + TILE) if len(local) == TILE \
+                else (local, slots)
+            one = shared or bool((mask[:, :end] == mask[:1, :end]).all())
+            self.shapes.setdefault((TILE, end, TILE, one), []).append(
+                (q, keys, values, mask, out, where))
+        if lane.n_block:
+            n, s = lane.n_block, q.shape[2]
+            self.shapes.setdefault((n, keys.shape[1], n, shared), []).append(
+                (q, keys, values, mask, out, slice(s - n, s)))
+        return out
+
+    def run(self) -> None:
+        for (s, m, tail, _), calls in self.shapes.items():
+            keys = calls[0][1]
+            per = 2 * keys.shape[0] * m * keys.shape[2] * keys.element_size()
+            step = max(1, BATCH_BYTES // per)
+            for a in range(0, len(calls), step):
+                self._run(calls[a:a + step], s, m, tail)
+        self.shapes.clear()
+
+    def _run(self, calls: list, s: int, m: int, tail: int) -> None:
+        """Calls of one shape side by side, keys past a request's own zero (masked out)."""
+        q, keys, values, mask = calls[0][:4]
+        b = len(calls)
+        whole = all(isinstance(call[-1], slice) for call in calls)
+        qs = (q.new_empty if whole else q.new_zeros)(b, q.shape[1], s, q.shape[3])
+        ks = keys.new_empty(b, keys.shape[0], m, keys.shape[2])
+        vs = values.new_empty(b, values.shape[0], m, values.shape[2])
+        ms = mask.new_zeros(b, mask.shape[0], m)
+        for i, (q, keys, values, mask, _, where) in enumerate(calls):
+            n = min(m, keys.shape[1])
+            ks[i, :, :n], vs[i, :, :n], ms[i, :, :n] = keys[:, :n], values[:, :n], mask[:, :n]
+            if n < m:
+                ks[i, :, n:], vs[i, :, n:] = 0, 0
+            if isinstance(where, slice):
+                qs[i] = q[0, :, where]
+            else:
+                local, slots = where
+                qs[i][:, slots] = q[0][:, local]
+        got = self.attend(qs, ks, vs, ms, tail)
+        for i, (*_, out, where) in enumerate(calls):
+            if isinstance(where, slice):
+                out[0, :, where] = got[i]
+            else:
+                local, slots = where
+                out[0][:, local] = got[i][:, slots]
 
 
 def attend_context(kv, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
