@@ -285,6 +285,29 @@ def test_a_passs_attention_calls_of_one_shape_go_together_each_as_alone(monkeypa
     assert sorted(made) == [1, 1, 1, 1, 1, 2, 2, 3]
 
 
+def test_a_groups_rows_copied_by_stretches_are_its_rows_by_index():
+    """A canonical group whose rows lie in a few stretches of the pass (requests' tiled rows
+    between their query rows) gathers and scatters them stretch by stretch: the values the
+    index gives, padding zero."""
+    from impress_flexgen.engine.attention import RowGroup, plan_rows
+
+    cpu = torch.device("cpu")
+    lanes, lo = [], 0
+    for n in (136, 300, 70, 136):            # tiled up to the last 64-multiple, then a block
+        lanes.append((lo, torch.arange(n), n - n % 64 or 64))
+        lo += n
+    groups, _ = plan_rows(lanes, lo, cpu)
+    assert any(g.runs is not None and len(g.runs) > 1 for g in groups)
+    gen = torch.Generator().manual_seed(2)
+    for dim, shape in ((1, (1, lo, 8)), (2, (1, 3, lo, 4))):
+        x = torch.randn(*shape, generator=gen)
+        for g in groups:
+            by_index = RowGroup(g.index, g.positions)
+            assert torch.equal(g.gather(x, dim), by_index.gather(x, dim))
+            y = torch.randn(*g.gather(x, dim).shape, generator=gen)
+            assert torch.equal(g.scatter(x.clone(), y, dim), by_index.scatter(x.clone(), y, dim))
+
+
 def test_the_kv_format_flag_reaches_the_store_and_warns_an_exact_server(tiny_runtimes,
                                                                        tmp_path):
     from impress_flexgen.config import ServiceConfig

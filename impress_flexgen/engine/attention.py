@@ -117,6 +117,9 @@ class RowGroup:
     positions: torch.Tensor
     rope: object = None
     run: tuple[int, int] | None = None       # the slots are pass rows [a, b), no padding
+    # Or its rows as a few stretches (slot, pass row, rows), padding after them: copied
+    # stretch by stretch, a few times faster than by index (rows along the heads' axis most).
+    runs: list[tuple[int, int, int]] | None = None
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The group's rows of `x` along `dim`, padding slots zero."""
@@ -124,6 +127,12 @@ class RowGroup:
             return x
         if self.run is not None:
             return x.narrow(dim, self.run[0], self.run[1] - self.run[0])
+        if self.runs is not None:
+            parts = [x.narrow(dim, row, n) for _, row, n in self.runs]
+            pad = len(self.index) - sum(n for *_, n in self.runs)
+            if pad:
+                parts.append(x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:]))
+            return torch.cat(parts, dim)
         pad = self.index < 0
         out = x.index_select(dim, self.index.clamp(min=0))
         if bool(pad.any()):
@@ -137,6 +146,10 @@ class RowGroup:
         if self.run is not None:
             out.narrow(dim, self.run[0], self.run[1] - self.run[0]).copy_(y)
             return out
+        if self.runs is not None:
+            for slot, row, n in self.runs:
+                out.narrow(dim, row, n).copy_(y.narrow(dim, slot, n))
+            return out
         real = (self.index >= 0).nonzero()[:, 0]
         out.index_copy_(dim, self.index[real], y.index_select(dim, real))
         return out
@@ -147,10 +160,17 @@ def _group(index: torch.Tensor, positions: torch.Tensor, size: int) -> RowGroup:
     n = len(index)
     run = (int(index[0]), int(index[0]) + n) if n == size and \
         bool((index[1:] - index[:-1] == 1).all()) else None
+    starts = [0, *(((index[1:] - index[:-1]) != 1).nonzero()[:, 0] + 1).tolist()] if n else []
+    runs = [(a, int(index[a]), b - a) for a, b in zip(starts, [*starts[1:], n])]
     if n < size:
         index = torch.cat([index, index.new_full((size - n,), -1)])
         positions = torch.cat([positions, positions.new_zeros(size - n)])
-    return RowGroup(index, positions[None], run=run)
+    return RowGroup(index, positions[None], run=run,
+                    runs=runs if 0 < len(runs) <= MAX_RUNS else None)
+
+
+# Stretches past which a group's rows are copied by index instead.
+MAX_RUNS = 16
 
 
 @dataclasses.dataclass
