@@ -176,11 +176,19 @@ MAX_RUNS = 16
 @dataclasses.dataclass
 class LaneRows:
     """One request's rows in a pass for its attention: its first rows by tiles (lane-local
-    rows, their slots in the tile, the tile's first position), its last `n_block` rows as
-    one block."""
+    rows, their slots in the tile, the tile's first position; the rows and slots as slices
+    where each is one stretch), its last `n_block` rows as one block."""
 
-    tiles: list[tuple[torch.Tensor, torch.Tensor, int]]
+    tiles: list[tuple[torch.Tensor | slice, torch.Tensor | slice, int]]
     n_block: int
+
+
+def _stretch(local: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """A tile's (lane rows, slots) as slices where both are one stretch (copied as such)."""
+    k = len(local)
+    if k and int(local[-1]) - int(local[0]) == k - 1 and int(slots[-1]) - int(slots[0]) == k - 1:
+        return slice(int(local[0]), int(local[0]) + k), slice(int(slots[0]), int(slots[0]) + k)
+    return local, slots
 
 
 def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
@@ -200,7 +208,7 @@ def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
         tiles = []
         for t in torch.unique(tiled // TILE).tolist():
             local = ((tiled // TILE) == t).nonzero()[:, 0]
-            tiles.append((local, tiled[local] - t * TILE, t * TILE))
+            tiles.append((*_stretch(local, tiled[local] - t * TILE), t * TILE))
         rows.append(LaneRows(tiles, len(positions) - n_tiled) if end else None)
     groups = []
     index, pos = torch.cat(tiled_index), torch.cat(tiled_pos)
@@ -249,15 +257,14 @@ class LaneCalls:
         shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
         for local, slots, t0 in lane.tiles:
             end = t0 + TILE        # a tile's queries (padded to TILE) over keys [0, end)
-            where = slice(int(local[0]), int(local[0]) + TILE) if len(local) == TILE \
-                else (local, slots)
+            where = (local, slots)
             one = shared or bool((mask[:, :end] == mask[:1, :end]).all())
             self.shapes.setdefault((TILE, end, TILE, one), []).append(
                 (q, keys, values, mask, out, where))
         if lane.n_block:
             n, s = lane.n_block, q.shape[2]
             self.shapes.setdefault((n, keys.shape[1], n, shared), []).append(
-                (q, keys, values, mask, out, slice(s - n, s)))
+                (q, keys, values, mask, out, (slice(s - n, s), slice(0, n))))
         return out
 
     def run(self) -> None:
@@ -273,28 +280,29 @@ class LaneCalls:
         """Calls of one shape side by side, keys past a request's own zero (masked out)."""
         q, keys, values, mask = calls[0][:4]
         b = len(calls)
-        whole = all(isinstance(call[-1], slice) for call in calls)
-        qs = (q.new_empty if whole else q.new_zeros)(b, q.shape[1], s, q.shape[3])
-        ks = keys.new_empty(b, keys.shape[0], m, keys.shape[2])
-        vs = values.new_empty(b, values.shape[0], m, values.shape[2])
-        ms = mask.new_zeros(b, mask.shape[0], m)
-        for i, (q, keys, values, mask, _, where) in enumerate(calls):
-            n = min(m, keys.shape[1])
-            ks[i, :, :n], vs[i, :, :n], ms[i, :, :n] = keys[:, :n], values[:, :n], mask[:, :n]
+        lengths = {min(m, call[1].shape[1]) for call in calls}
+        if len(lengths) == 1:        # every request's keys as long: stacked in one copy each
+            n, = lengths
+            ks, vs, ms = (torch.stack([call[i][:, :n] for call in calls]) for i in (1, 2, 3))
             if n < m:
-                ks[i, :, n:], vs[i, :, n:] = 0, 0
-            if isinstance(where, slice):
-                qs[i] = q[0, :, where]
-            else:
-                local, slots = where
+                ks, vs, ms = (torch.cat([x, x.new_zeros(*x.shape[:2], m - n, *x.shape[3:])],
+                                        dim=2) for x in (ks, vs, ms))
+        else:
+            ks = keys.new_zeros(b, keys.shape[0], m, keys.shape[2])
+            vs = values.new_zeros(b, values.shape[0], m, values.shape[2])
+            ms = mask.new_zeros(b, mask.shape[0], m)
+            for i, (_, keys, values, mask, *_) in enumerate(calls):
+                n = min(m, keys.shape[1])
+                ks[i, :, :n], vs[i, :, :n], ms[i, :, :n] = keys[:, :n], values[:, :n], mask[:, :n]
+        if all(call[-1][1] == slice(0, s) for call in calls):    # no padding rows
+            qs = torch.stack([call[0][0, :, call[-1][0]] for call in calls])
+        else:
+            qs = q.new_zeros(b, q.shape[1], s, q.shape[3])
+            for i, (q, *_, (local, slots)) in enumerate(calls):
                 qs[i][:, slots] = q[0][:, local]
         got = self.attend(qs, ks, vs, ms, tail)
-        for i, (*_, out, where) in enumerate(calls):
-            if isinstance(where, slice):
-                out[0, :, where] = got[i]
-            else:
-                local, slots = where
-                out[0][:, local] = got[i][:, slots]
+        for i, (*_, out, (local, slots)) in enumerate(calls):
+            out[0][:, local] = got[i][:, slots]
 
 
 def attend_context(kv, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:
