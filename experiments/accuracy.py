@@ -131,6 +131,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from experiments import reproduce_figures as figures
 from disk_layout.format import KV_FORMATS
 from impress_flexgen.bench.corpus import list_texts, passages
 from impress_flexgen.bench.runner import RunConfig, kl_divergence, summarize
@@ -983,14 +984,7 @@ def plot(results, path: str, model: str) -> None:
                  fontsize=11)
     legend_rows = math.ceil(len(names) / 4)
     fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02, 1, 0.96))
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=120)
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    figures.save(fig, path, dpi=120, tight=False)
 
 
 if __name__ == "__main__":

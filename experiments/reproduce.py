@@ -2,6 +2,7 @@
 
     python -m experiments.reproduce [--quick] [--out results] [--model smollm2-135m]
                                     [--parts serving,ablation,...] [--rerun-accuracy]
+                                    [--dtype bf16] [--placement auto] [--max-ram-gb GB]
 
 Parts (each writes results/<part>.json and results/<part>.png):
   serving      TTFT per policy, mean and P99 with its breakdown (paper Fig. 16), and I/O
@@ -45,9 +46,12 @@ from tqdm import tqdm
 from experiments import reproduce_figures as figures
 from impress_flexgen.bench.runner import RunConfig, kv_bytes_per_token, run_workload
 from impress_flexgen.bench.workload import WorkloadConfig, build_workload
-from impress_flexgen.entrypoints.args import ArgumentParser, choose_list, write_json
+from impress_flexgen.config import dtype_of, runtime_memory_fields
+from impress_flexgen.entrypoints.args import (PLACEMENT_HELP, ArgumentParser, add_model_args,
+                                              choose_list, placement_arg, write_json)
 from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
+from impress_flexgen.models import dtypes
 from impress_flexgen.models.runtime import Runtime, RuntimeConfig
 from impress_flexgen.tiers import TierConfig
 
@@ -77,6 +81,27 @@ QUICK = Sizes(WorkloadConfig(n_prefixes=2, prefix_tokens=512, queries_per_prefix
               (256, 512), 1, (1, 2),
               WorkloadConfig(n_prefixes=2, prefix_tokens=512, real_tokens=128,
                              queries_per_prefix=1, query_tokens=32, mode="padded"))
+
+
+def fitted(sizes: Sizes, positions: int, chunk: int = 64) -> tuple[Sizes, list[str]]:
+    """The workloads within the model's positions: a prefix, a query and the new token must
+    fit (OPT has 2,048, so its longest prefix is 1,920 tokens, whole 64-token chunks, beside a
+    64-token query; the scaling part skips the lengths that do not). Returns them and what
+    was cut."""
+    notes = []
+
+    def fit(name: str, wl: WorkloadConfig) -> WorkloadConfig:
+        room = (positions - wl.query_tokens - 1) // chunk * chunk
+        if wl.prefix_tokens <= room:
+            return wl
+        notes.append(f"{name}: prefixes of {room} tokens, not {wl.prefix_tokens} (the model "
+                     f"has {positions} positions)")
+        return dataclasses.replace(wl, prefix_tokens=room,
+                                   real_tokens=min(wl.real_tokens, room // 2))
+
+    return dataclasses.replace(sizes, serving=fit("serving", sizes.serving),
+                               sensitivity=fit("sensitivity", sizes.sensitivity),
+                               padded=fit("padded", sizes.padded)), notes
 
 
 # The paper's token selection (Fig. 20): voted tokens scatter over many chunks unless
@@ -249,7 +274,7 @@ class Reproduction:
         for n in self.sizes.scaling_lengths:
             cfg = WorkloadConfig(n_prefixes=1, prefix_tokens=n,
                                  queries_per_prefix=self.sizes.scaling_queries)
-            if n + cfg.query_tokens > limit:
+            if n + cfg.query_tokens + 1 > limit:
                 print(f"scaling: {n} tokens exceed {rt.spec.name}'s {limit} positions; skipped")
                 continue
             wl = build_workload(rt.tokenizer, cfg)
@@ -356,7 +381,9 @@ def _cpu_hit(r: dict) -> float | None:
 def parse_args(argv):
     p = ArgumentParser(prog="python -m experiments.reproduce",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    add_model_args(p, default_model="smollm2-135m")
+    p.add_argument("--placement", type=placement_arg, default="auto",
+                   help=PLACEMENT_HELP + " (default auto)")
     p.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--parts", default=",".join(PARTS),
@@ -379,6 +406,14 @@ def parse_args(argv):
     return args
 
 
+def runtime_config(args) -> RuntimeConfig:
+    """The model the parts run on, as `run` builds it from the same flags (a larger model
+    at --dtype bf16, weights placed by --placement within --max-ram-gb)."""
+    return RuntimeConfig(model=args.model, model_path=args.model_path, seed=args.seed,
+                         placement=args.placement, offload_dir=args.offload_dir,
+                         dtype=dtype_of(args.dtype), **runtime_memory_fields(args))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -393,14 +428,18 @@ def main(argv=None) -> int:
         except ValueError:
             raise UserError("--scaling-lengths: comma-separated integers") from None
         sizes = dataclasses.replace(sizes, scaling_lengths=lengths)
-    rep = Reproduction(args, sizes)
-    everything = {"model": args.model, "quick": args.quick, "parts": {}}
-    with Runtime(RuntimeConfig(model=args.model)) as rt:
+    with Runtime(runtime_config(args)) as rt:
+        sizes, notes = fitted(sizes, rt.spec.config.max_seq_len)
+        for note in notes:
+            print(f"{args.model}: {note}", flush=True)
+        rep = Reproduction(args, sizes)
+        about = {"model": args.model, "quick": args.quick,
+                 "dtype": dtypes.flag(rt.cfg.dtype), "plan": rt.plan.describe()}
+        everything = {**about, "parts": {}}
         for part in args.parts:
             t0 = time.perf_counter()
             result = getattr(rep, f"part_{part}")(rt)
-            result = {"model": args.model, "quick": args.quick,
-                      "elapsed_s": time.perf_counter() - t0, **result}
+            result = {**about, "elapsed_s": time.perf_counter() - t0, **result}
             if part not in ("peers", "accuracy"):      # those write their own JSON
                 write_json(str(out / f"{part}.json"), result)
             everything["parts"][part] = result

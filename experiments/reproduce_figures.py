@@ -18,12 +18,16 @@ def _plt():
     return plt
 
 
-def _save(fig, path: Path) -> None:
+def save(fig, path, dpi: int = 110, tight: bool = True) -> None:
+    """Write and close a figure (laid out tightly unless the caller laid it out); a path
+    that cannot be written is a UserError naming it."""
     plt = _plt()
+    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        if tight:
+            fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror}") from None
     finally:
@@ -55,7 +59,7 @@ def serving(res: dict, path: Path) -> None:
         ax.tick_params(axis="x", rotation=35, labelsize=8)
         for t in ax.get_xticklabels():
             t.set_ha("right")
-    _save(fig, path)
+    save(fig, path)
 
 
 def ablation(res: dict, path: Path) -> None:
@@ -108,7 +112,7 @@ def ablation(res: dict, path: Path) -> None:
         d.legend(h1 + h2, l1 + l2, fontsize=7)
     for ax in (a, b, c, d):
         ax.tick_params(axis="x", labelsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def sensitivity(res: dict, path: Path) -> None:
@@ -138,7 +142,7 @@ def sensitivity(res: dict, path: Path) -> None:
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7)
-    _save(fig, path)
+    save(fig, path)
 
 
 def scaling(res: dict, path: Path) -> None:
@@ -160,7 +164,7 @@ def scaling(res: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     a.set_title("Bytes read grow with the prefix")
     b.set_title("TTFT against prefix length")
-    _save(fig, path)
+    save(fig, path)
 
 
 def overheads(res: dict, path: Path) -> None:
@@ -183,7 +187,7 @@ def overheads(res: dict, path: Path) -> None:
     b.set_title("Space overhead")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=7)
-    _save(fig, path)
+    save(fig, path)
 
 
 def peers(res: dict, path: Path) -> None:
@@ -199,7 +203,7 @@ def peers(res: dict, path: Path) -> None:
     ax.set_title(f"Same requests, other ways ({res['prefix_tokens']}-token prefix, "
                  f"{res['query_tokens']}-token query, {res['threads']} threads)")
     ax.tick_params(axis="y", labelsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def padded(res: dict, path: Path) -> None:
@@ -222,4 +226,4 @@ def padded(res: dict, path: Path) -> None:
     a.set_title(f"{w['real_tokens']} real tokens, padded to {w['prefix_tokens']} positions")
     b.set_ylabel("KL(full || policy)")
     b.set_title("Accuracy against full KV")
-    _save(fig, path)
+    save(fig, path)

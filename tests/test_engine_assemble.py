@@ -108,3 +108,16 @@ def test_engines_on_one_runtime_take_turns_through_its_model(tiny_runtimes):
         assert not done.wait(0.3)                          # the recalibration waits its turn
     thread.join(10)
     assert done.is_set()
+
+
+def test_a_request_past_the_model_positions_is_refused_before_it_runs(tiny_runtimes):
+    """A library caller gets the model's limit, not an index error from deep in a layer
+    (opt-tiny has 1,024 positions: its position table ends there)."""
+    rt = tiny_runtimes["opt-tiny"]
+    engine = assemble(rt, make_policy("recomp"), None).engine
+    limit = rt.spec.config.max_seq_len
+    with pytest.raises(UserError, match=f"needs {limit + 1} positions, more than the model's "
+                                        f"{limit}"):
+        engine.serve(Request(list(range(10, limit + 8)), [7], 2))   # limit - 1 + 2 new
+    fits = engine.serve(Request(list(range(10, limit + 7)), [7], 2))    # exactly the limit
+    assert len(fits.tokens) == 2

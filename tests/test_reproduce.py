@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from experiments import peers, reproduce
+from impress_flexgen.models import dtypes
 
 PNG = b"\x89PNG"
 
@@ -80,3 +81,27 @@ def test_bad_parts():
     with pytest.raises(SystemExit) as exc:
         reproduce.main(["--parts", "nonsense"])
     assert exc.value.code == 2
+
+
+def test_model_flags_reach_the_runtime():
+    """A larger model at bf16 within a RAM cap: the parts run on what `run` would build
+    from the same flags."""
+    args = reproduce.parse_args(["--model", "opt-6.7b", "--dtype", "bf16", "--max-ram-gb",
+                                 "12", "--placement", "auto", "--seed", "3"])
+    cfg = reproduce.runtime_config(args)
+    assert cfg.model == "opt-6.7b" and cfg.seed == 3
+    assert dtypes.flag(cfg.dtype) == "bf16"
+    assert cfg.max_ram_bytes == 12 * 2**30
+    assert reproduce.runtime_config(reproduce.parse_args([])).dtype is None
+
+
+def test_workloads_fit_the_model_positions():
+    """OPT has 2,048 positions: the serving part's 2,048-token prefixes plus a query would
+    run off its position table, so they are cut to whole chunks that fit."""
+    sizes, notes = reproduce.fitted(reproduce.FULL, 2048)
+    assert sizes.serving.prefix_tokens == 1920 and sizes.padded.prefix_tokens == 1920
+    assert sizes.padded.real_tokens < sizes.padded.prefix_tokens
+    assert sizes.sensitivity == reproduce.FULL.sensitivity       # 1,024 tokens fit
+    assert any("serving" in n and "1920" in n for n in notes)
+    same, none = reproduce.fitted(reproduce.FULL, 8192)
+    assert same == reproduce.FULL and none == []

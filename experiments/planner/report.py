@@ -3,13 +3,13 @@ OPT-30B on a GPU, and the figure."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from impress_flexgen.errors import UserError
+from experiments import reproduce_figures as figures
 from impress_flexgen.planner import choose
 from impress_flexgen.planner.costs import Bandwidth, CostModel, PrefillCurve
 
 from .cells import BETTER, CLOSE, NO_WORSE, PLANNERS, ROWS
+
 
 def print_measured(cells, summ) -> None:
     print("Measured TTFT (s, mean over queries), disk reads limited; planner = plan auto")
@@ -156,13 +156,5 @@ def plot(cells, path: str, model: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"TTFT against disk read limit, {model}", fontsize=11)
-    fig.tight_layout()
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=120)
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    figures.save(fig, path, dpi=120)
 
