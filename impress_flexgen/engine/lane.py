@@ -129,7 +129,8 @@ class PrefillPass:
         self.spend(self.lanes, field, seconds)
 
     @staticmethod
-    def spend(lanes: list[Lane], field: str, seconds: float) -> None:
+    def spend(lanes: list, field: str, seconds: float) -> None:
+        """Seconds spent once for all of `lanes` (or sequences) count in each one's stats."""
         for lane in lanes:
             setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
 
