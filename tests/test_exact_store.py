@@ -244,6 +244,70 @@ def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
     assert torch.allclose(whole_a, plain, atol=1e-5)
 
 
+def test_a_passs_attention_calls_of_one_shape_go_together_each_as_alone(monkeypatch):
+    """The canonical attention calls of several requests (tiles and blocks) made as batched
+    calls, shape by shape: each request's rows are the bits it gets alone, whatever the
+    others' shapes, with or without a per-head mask, with grouped heads."""
+    from impress_flexgen.engine import attention
+    from impress_flexgen.engine.attention import LaneCalls, attend, attend_lane, plan_rows
+
+    gen = torch.Generator().manual_seed(1)
+    kv, heads, d = 2, 6, 16
+    cpu = torch.device("cpu")
+
+    def att(*args):
+        return attend(*args, group=heads // kv, device=cpu)
+
+    lanes = []
+    # (prompt length, rows already there, tiled end, a head that sees fewer keys)
+    for n, start, end, narrow in ((300, 0, 288, False), (300, 16, 288, False),
+                                  (150, 0, 144, False), (300, 0, 288, True), (40, 0, 0, False)):
+        q = torch.randn(1, heads, n - start, d, generator=gen)
+        keys, values = torch.randn(kv, n, d, generator=gen), torch.randn(kv, n, d, generator=gen)
+        mask = torch.ones(kv, n, dtype=torch.bool)
+        if narrow:
+            mask[1, 5:9] = False
+        _, (rows,) = plan_rows([(0, torch.arange(start, n), end)], n - start, cpu)
+        rows = rows or attention.LaneRows([], n - start)
+        lanes.append((q, keys, values, mask, rows))
+    alone = [attend_lane(att, *lane) for lane in lanes]
+    made = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: made.append(q.shape[0]) or real(q, *a, **kw))
+    calls = LaneCalls(att)
+    outs = [calls.add(*lane) for lane in lanes]
+    calls.run()
+    for a, b in zip(alone, outs):
+        assert torch.equal(a, b)
+    # Tiles ending at 256 (shared mask: 3 requests; per-head: 1), at 512 (2 + 1), the
+    # blocks of 12 rows over 300 keys (2 + 1), of 6 over 150, of 40 over 40.
+    assert sorted(made) == [1, 1, 1, 1, 1, 2, 2, 3]
+
+
+def test_a_groups_rows_copied_by_stretches_are_its_rows_by_index():
+    """A canonical group whose rows lie in a few stretches of the pass (requests' tiled rows
+    between their query rows) gathers and scatters them stretch by stretch: the values the
+    index gives, padding zero."""
+    from impress_flexgen.engine.attention import RowGroup, plan_rows
+
+    cpu = torch.device("cpu")
+    lanes, lo = [], 0
+    for n in (136, 300, 70, 136):            # tiled up to the last 64-multiple, then a block
+        lanes.append((lo, torch.arange(n), n - n % 64 or 64))
+        lo += n
+    groups, _ = plan_rows(lanes, lo, cpu)
+    assert any(g.runs is not None and len(g.runs) > 1 for g in groups)
+    gen = torch.Generator().manual_seed(2)
+    for dim, shape in ((1, (1, lo, 8)), (2, (1, 3, lo, 4))):
+        x = torch.randn(*shape, generator=gen)
+        for g in groups:
+            by_index = RowGroup(g.index, g.positions)
+            assert torch.equal(g.gather(x, dim), by_index.gather(x, dim))
+            y = torch.randn(*g.gather(x, dim).shape, generator=gen)
+            assert torch.equal(g.scatter(x.clone(), y, dim), by_index.scatter(x.clone(), y, dim))
+
+
 def test_the_kv_format_flag_reaches_the_store_and_warns_an_exact_server(tiny_runtimes,
                                                                        tmp_path):
     from impress_flexgen.config import ServiceConfig

@@ -145,6 +145,40 @@ def test_a_token_table_on_the_disk_is_read_for_the_tokens_embedded(on_disk, tiny
     engine.runner.model.weight_read_buf[0].pop()
 
 
+def test_a_pass_reads_each_offloaded_weight_once_for_all_its_requests(on_disk):
+    """A prefill pass of several requests reads each layer's weights from the disk once
+    (the input embedding's with every request's token rows) and makes their first tokens
+    in one product of the output layer; each answer is the request's alone."""
+    from impress_flexgen.engine.scheduler import SchedulerConfig
+
+    engine = _engine(on_disk[True])
+    runner, stream = engine.runner, engine.runner.weights
+    reqs = [Request(list(range(11 + n, 11 + 2 * n)), [7, 8], 1, keep_logits=True)
+            for n in (5, 19, 9)]
+    alone = [engine.serve(r) for r in reqs]
+    read, products = [], []
+    real, logits = stream._issue, runner.math.logits
+
+    def issue(j, rows=None):
+        before = stream.bytes_read
+        real(j, rows)
+        if stream.bytes_read > before:
+            read.append(j)
+
+    stream._issue = issue
+    runner.math.logits = lambda w, h: products.append(len(h)) or logits(w, h)
+    try:
+        together = engine.serve_all(reqs, SchedulerConfig(max_batch_size=4))
+    finally:
+        stream._issue, runner.math.logits = real, logits
+    assert sorted(read) == list(range(stream.n))      # every layer once, the embedding too
+    assert products == [3]                            # one output-layer product, 3 rows
+    assert stream.rows_held[0] >= {t for r in reqs for t in r.prefix + r.query}
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens
+        assert float((a.step_logits[0] - b.step_logits[0]).abs().max()) < 1e-4
+
+
 def test_block_schedule_gives_each_requests_own_answer(tiny_runtimes):
     rt = tiny_runtimes["llama-tiny"]
     engine = _engine(rt)

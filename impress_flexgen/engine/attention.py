@@ -5,6 +5,7 @@ canonical tiles, and one new token per sequence over its own context (decode).
                  device=device)
     groups, lanes = plan_rows([(first_row, positions, end), ...], n_rows, device)
     attn = attend_lane(attend, q, keys, values, mask, lanes[i])
+    calls = LaneCalls(attend); out = calls.add(q, keys, values, mask, lanes[i]); calls.run()
     side = SideBySide(); side.hold(seqs, n_head); out = side.attend(layer, q, k, v, ...)
 
 Canonical prefill rows: an exact policy's answers never depend on what was stored.
@@ -19,7 +20,8 @@ shapes do not depend on how much of the prompt was stored, nor on the pass's oth
   prefix's last chunk boundary) go through every product in calls of exactly TILE rows (the
   pass's such rows one after the other, the last call padded), and attend by tiles of TILE
   positions aligned at multiples of TILE: a tile's queries (padded to TILE) over keys
-  [0, tile end) in position order. A row comes out the same whatever else shares its calls,
+  [0, tile end) in position order (a pass's tiles of one shape in one batched call,
+  LaneCalls: each comes out as it would alone). A row comes out the same whatever else shares its calls,
   so stored KV is the KV a recomputation makes, bit for bit, however the prefix got stored;
 - the rest of a request (the prefix's last partial chunk and the query) is never stored: its
   rows go through each product in one call with every other request's such rows (the block),
@@ -59,32 +61,36 @@ def attend(q, keys, values, mask, causal_tail: int, front: int = 0, *, group: in
     """q (1, H, s, d) over keys/values (KV, m, d); mask (KV, m) says which keys each KV
     head may see; the last `causal_tail` keys are the new tokens themselves (causal).
     The first `front` queries (a recomputed prefix front) see none of the keys before
-    the tail: those are prefix tokens after them. `group`: query heads per KV head."""
-    s, m = q.shape[2], keys.shape[1]
+    the tail: those are prefix tokens after them. `group`: query heads per KV head.
+    Several calls of one shape at once (LaneCalls): q (B, H, s, d), keys/values
+    (B, KV, m, d), mask (B, KV, m), no front."""
+    if keys.dim() == 3:
+        keys, values, mask = keys[None], values[None], mask[None]
+    s, m = q.shape[2], keys.shape[2]
     if front:
         # The front over its own keys only (the first of the tail), the rest over all:
         # masking the prefix out of the front's rows would still compute them.
         lo = m - causal_tail
-        head = attend(q[:, :, :front], keys[:, lo:lo + front], values[:, lo:lo + front],
-                      mask[:, lo:lo + front], front, group=group, device=device)
+        head = attend(q[:, :, :front], keys[:, :, lo:lo + front], values[:, :, lo:lo + front],
+                      mask[:, :, lo:lo + front], front, group=group, device=device)
         rest = attend(q[:, :, front:], keys, values, mask, causal_tail - front, group=group,
                       device=device)
         return torch.cat([head, rest], dim=2)
     # Whole-chunk selection gives every KV head the same keys: one (s, m) mask then
     # serves all heads, instead of a copy per head.
-    shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
-    rows = mask[:1] if shared else mask
-    allowed = rows[:, None, :].expand(-1, s, -1).clone()          # (KV or 1, s, m)
+    shared = mask.shape[1] == 1 or bool((mask == mask[:, :1]).all())
+    rows = mask[:, :1] if shared else mask
+    allowed = rows[:, :, None, :].expand(-1, -1, s, -1).clone()   # (B, KV or 1, s, m)
     tail = torch.ones(s, causal_tail, dtype=torch.bool, device=device).tril(
         diagonal=causal_tail - s)
-    allowed[:, :, m - causal_tail:] &= tail
+    allowed[..., m - causal_tail:] &= tail
     # A token always sees itself: masked pad tokens would otherwise see nothing (NaN).
-    allowed[:, :, m - causal_tail:] |= _diagonal(s, causal_tail, device)
-    allowed = allowed[None] if shared else \
-        allowed.repeat_interleave(group, dim=0)[None]             # (1, H or 1, s, m)
+    allowed[..., m - causal_tail:] |= _diagonal(s, causal_tail, device)
+    if not shared:
+        allowed = allowed.repeat_interleave(group, dim=1)          # (B, H, s, m)
     work = work_dtype(q.dtype, device)
     out = F.scaled_dot_product_attention(
-        q.to(work), keys[None].to(work), values[None].to(work), attn_mask=allowed,
+        q.to(work), keys.to(work), values.to(work), attn_mask=allowed,
         enable_gqa=group > 1)
     return out.to(q.dtype)
 
@@ -111,6 +117,9 @@ class RowGroup:
     positions: torch.Tensor
     rope: object = None
     run: tuple[int, int] | None = None       # the slots are pass rows [a, b), no padding
+    # Or its rows as a few stretches (slot, pass row, rows), padding after them: copied
+    # stretch by stretch, a few times faster than by index (rows along the heads' axis most).
+    runs: list[tuple[int, int, int]] | None = None
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The group's rows of `x` along `dim`, padding slots zero."""
@@ -118,6 +127,12 @@ class RowGroup:
             return x
         if self.run is not None:
             return x.narrow(dim, self.run[0], self.run[1] - self.run[0])
+        if self.runs is not None:
+            parts = [x.narrow(dim, row, n) for _, row, n in self.runs]
+            pad = len(self.index) - sum(n for *_, n in self.runs)
+            if pad:
+                parts.append(x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:]))
+            return torch.cat(parts, dim)
         pad = self.index < 0
         out = x.index_select(dim, self.index.clamp(min=0))
         if bool(pad.any()):
@@ -131,6 +146,10 @@ class RowGroup:
         if self.run is not None:
             out.narrow(dim, self.run[0], self.run[1] - self.run[0]).copy_(y)
             return out
+        if self.runs is not None:
+            for slot, row, n in self.runs:
+                out.narrow(dim, row, n).copy_(y.narrow(dim, slot, n))
+            return out
         real = (self.index >= 0).nonzero()[:, 0]
         out.index_copy_(dim, self.index[real], y.index_select(dim, real))
         return out
@@ -141,20 +160,35 @@ def _group(index: torch.Tensor, positions: torch.Tensor, size: int) -> RowGroup:
     n = len(index)
     run = (int(index[0]), int(index[0]) + n) if n == size and \
         bool((index[1:] - index[:-1] == 1).all()) else None
+    starts = [0, *(((index[1:] - index[:-1]) != 1).nonzero()[:, 0] + 1).tolist()] if n else []
+    runs = [(a, int(index[a]), b - a) for a, b in zip(starts, [*starts[1:], n])]
     if n < size:
         index = torch.cat([index, index.new_full((size - n,), -1)])
         positions = torch.cat([positions, positions.new_zeros(size - n)])
-    return RowGroup(index, positions[None], run=run)
+    return RowGroup(index, positions[None], run=run,
+                    runs=runs if 0 < len(runs) <= MAX_RUNS else None)
+
+
+# Stretches past which a group's rows are copied by index instead.
+MAX_RUNS = 16
 
 
 @dataclasses.dataclass
 class LaneRows:
     """One request's rows in a pass for its attention: its first rows by tiles (lane-local
-    rows, their slots in the tile, the tile's first position), its last `n_block` rows as
-    one block."""
+    rows, their slots in the tile, the tile's first position; the rows and slots as slices
+    where each is one stretch), its last `n_block` rows as one block."""
 
-    tiles: list[tuple[torch.Tensor, torch.Tensor, int]]
+    tiles: list[tuple[torch.Tensor | slice, torch.Tensor | slice, int]]
     n_block: int
+
+
+def _stretch(local: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """A tile's (lane rows, slots) as slices where both are one stretch (copied as such)."""
+    k = len(local)
+    if k and int(local[-1]) - int(local[0]) == k - 1 and int(slots[-1]) - int(slots[0]) == k - 1:
+        return slice(int(local[0]), int(local[0]) + k), slice(int(slots[0]), int(slots[0]) + k)
+    return local, slots
 
 
 def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
@@ -174,7 +208,7 @@ def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
         tiles = []
         for t in torch.unique(tiled // TILE).tolist():
             local = ((tiled // TILE) == t).nonzero()[:, 0]
-            tiles.append((local, tiled[local] - t * TILE, t * TILE))
+            tiles.append((*_stretch(local, tiled[local] - t * TILE), t * TILE))
         rows.append(LaneRows(tiles, len(positions) - n_tiled) if end else None)
     groups = []
     index, pos = torch.cat(tiled_index), torch.cat(tiled_pos)
@@ -188,36 +222,87 @@ def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
     return groups, rows
 
 
-def _upto(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x's first n positions (dim 1), zero (False) past its end."""
-    if x.shape[1] >= n:
-        return x[:, :n]
-    return torch.cat([x, x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:])], dim=1)
-
-
 def attend_lane(attend, q, keys, values, mask, lane: LaneRows) -> torch.Tensor:
     """One request's attention: q (1, H, s, d) of its rows over keys, values (KV, total, d)
     and mask (KV, total), all in position order (its rows are the last of them). `attend`:
     attention.attend with the model's grouping (q, keys, values, mask, causal_tail)."""
-    out = q.new_empty(q.shape)
-    for local, slots, t0 in lane.tiles:
-        whole = len(local) == TILE      # a whole tile: its rows, in order
-        if whole:
-            first = int(local[0])
-            q_tile = q[:, :, first:first + TILE].contiguous()
-        else:
-            q_tile = q.new_zeros(*q.shape[:2], TILE, q.shape[3])
-            q_tile[:, :, slots] = q[:, :, local]
-        end = t0 + TILE
-        part = attend(q_tile, _upto(keys, end), _upto(values, end), _upto(mask, end), TILE)
-        if whole:
-            out[:, :, first:first + TILE] = part
-        else:
-            out[:, :, local] = part[:, :, slots]
-    if lane.n_block:
-        out[:, :, -lane.n_block:] = attend(q[:, :, -lane.n_block:].contiguous(), keys,
-                                           values, mask, lane.n_block)
+    calls = LaneCalls(attend)
+    out = calls.add(q, keys, values, mask, lane)
+    calls.run()
     return out
+
+
+# Bytes of keys and values one batched attention call lays side by side; more calls of a
+# shape than fit go in several (each call's rows come out the same either way).
+BATCH_BYTES = 256 << 20
+
+
+class LaneCalls:
+    """The canonical attention calls of a pass's requests (each one's tiles and block), the
+    calls of one shape made as one batched call: a layer of a pass attends in a few calls,
+    not a few per request. Each element of a batched call comes out as that call alone (the
+    attention kernels split their work by element, head and query block), so a tile's rows
+    are the same bits whichever requests share the pass (tests/test_exact_store.py).
+
+        calls = LaneCalls(attend); outs = [calls.add(q, k, v, mask, rows) ...]; calls.run()
+    """
+
+    def __init__(self, attend):
+        self.attend = attend
+        self.shapes: dict[tuple, list] = {}    # (queries, keys, causal tail, shared) -> calls
+
+    def add(self, q, keys, values, mask, lane: LaneRows) -> torch.Tensor:
+        """One request's calls (as attend_lane); its output, filled in by run()."""
+        out = q.new_empty(q.shape)
+        shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
+        for local, slots, t0 in lane.tiles:
+            end = t0 + TILE        # a tile's queries (padded to TILE) over keys [0, end)
+            where = (local, slots)
+            one = shared or bool((mask[:, :end] == mask[:1, :end]).all())
+            self.shapes.setdefault((TILE, end, TILE, one), []).append(
+                (q, keys, values, mask, out, where))
+        if lane.n_block:
+            n, s = lane.n_block, q.shape[2]
+            self.shapes.setdefault((n, keys.shape[1], n, shared), []).append(
+                (q, keys, values, mask, out, (slice(s - n, s), slice(0, n))))
+        return out
+
+    def run(self) -> None:
+        for (s, m, tail, _), calls in self.shapes.items():
+            keys = calls[0][1]
+            per = 2 * keys.shape[0] * m * keys.shape[2] * keys.element_size()
+            step = max(1, BATCH_BYTES // per)
+            for a in range(0, len(calls), step):
+                self._run(calls[a:a + step], s, m, tail)
+        self.shapes.clear()
+
+    def _run(self, calls: list, s: int, m: int, tail: int) -> None:
+        """Calls of one shape side by side, keys past a request's own zero (masked out)."""
+        q, keys, values, mask = calls[0][:4]
+        b = len(calls)
+        lengths = {min(m, call[1].shape[1]) for call in calls}
+        if len(lengths) == 1:        # every request's keys as long: stacked in one copy each
+            n, = lengths
+            ks, vs, ms = (torch.stack([call[i][:, :n] for call in calls]) for i in (1, 2, 3))
+            if n < m:
+                ks, vs, ms = (torch.cat([x, x.new_zeros(*x.shape[:2], m - n, *x.shape[3:])],
+                                        dim=2) for x in (ks, vs, ms))
+        else:
+            ks = keys.new_zeros(b, keys.shape[0], m, keys.shape[2])
+            vs = values.new_zeros(b, values.shape[0], m, values.shape[2])
+            ms = mask.new_zeros(b, mask.shape[0], m)
+            for i, (_, keys, values, mask, *_) in enumerate(calls):
+                n = min(m, keys.shape[1])
+                ks[i, :, :n], vs[i, :, :n], ms[i, :, :n] = keys[:, :n], values[:, :n], mask[:, :n]
+        if all(call[-1][1] == slice(0, s) for call in calls):    # no padding rows
+            qs = torch.stack([call[0][0, :, call[-1][0]] for call in calls])
+        else:
+            qs = q.new_zeros(b, q.shape[1], s, q.shape[3])
+            for i, (q, *_, (local, slots)) in enumerate(calls):
+                qs[i][:, slots] = q[0][:, local]
+        got = self.attend(qs, ks, vs, ms, tail)
+        for i, (*_, out, (local, slots)) in enumerate(calls):
+            out[0][:, local] = got[i][:, slots]
 
 
 def attend_context(kv, q, k_new, v_new, work, gqa: bool) -> torch.Tensor:

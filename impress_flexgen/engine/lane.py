@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .attention import LaneRows, attend_lane
+from .attention import LaneCalls, LaneRows
 from .layer_io import ReadAhead
 from .pass_reads import PassReads
 
@@ -66,10 +66,10 @@ class Lane:
         if self.given is not None:
             self.given.start(layer)
 
-    def attend(self, runner, layer: int, q, k_new, v_new) -> torch.Tensor:
+    def attend(self, runner, layer: int, q, k_new, v_new, calls: LaneCalls) -> torch.Tensor:
         """Its attention at `layer`: its policy's choice of its stored prefix KV, loaded,
         then its new tokens over that plus themselves. Keeps its decode context and the
-        (K, V) to store."""
+        (K, V) to store. Canonical rows go by `calls` (the pass's: filled in by its run)."""
         front, stats, n_pad = self.front, self.stats, self.n_pad
         math, device = runner.math, runner.device
         # The policy plans for the new tokens only; the recomputed front needs no prefix.
@@ -92,7 +92,7 @@ class Lane:
             keys, values, mask = (torch.cat([new[:, :front], *pre, new[:, front:]], dim=1)
                                   for new, pre in ((k_new[0], prefix_k), (v_new[0], prefix_v),
                                                    (new_mask, [prefix_mask])))
-            attn = attend_lane(runner.attend, q, keys, values, mask, self.rows)
+            attn = calls.add(q, keys, values, mask, self.rows)
         else:
             # One pass joins the loaded pieces and converts them to the compute dtype.
             keys = torch.cat([*prefix_k, k_new[0]], dim=1)
@@ -126,7 +126,12 @@ class PrefillPass:
 
     def spent(self, field: str, seconds: float) -> None:
         """Time spent once for the whole pass counts in every sequence's stats."""
-        for lane in self.lanes:
+        self.spend(self.lanes, field, seconds)
+
+    @staticmethod
+    def spend(lanes: list, field: str, seconds: float) -> None:
+        """Seconds spent once for all of `lanes` (or sequences) count in each one's stats."""
+        for lane in lanes:
             setattr(lane.stats, field, getattr(lane.stats, field) + seconds)
 
     def drop(self, layer: int) -> None:

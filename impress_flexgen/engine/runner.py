@@ -33,7 +33,7 @@ from ..models.base import dense
 from ..models.runtime import Runtime
 from ..request import RequestStats
 from ..sampling import Sampler
-from .attention import attend, plan_rows
+from .attention import LaneCalls, attend, plan_rows
 from .family import FamilyMath
 from .kv_home import KVHome
 from .lane import Lane, PrefillPass
@@ -99,11 +99,12 @@ class Runner:
             return None
         return [dense(w) for w, _ in self.model.weight_read_buf[j].pop()]
 
-    def _pass_weights(self, p: PrefillPass, j: int, ahead: int | None = None):
+    def _pass_weights(self, lanes: list, j: int, ahead: int | None = None, rows=None):
+        """Layer j's weights brought once for every lane of a pass (each counts the load)."""
         timing = RequestStats()
-        weights = self.load_weights(j, timing, ahead=ahead)
+        weights = self.load_weights(j, timing, ahead=ahead, rows=rows)
         for field in ("weights_s", "weight_wait_s", "weight_bytes"):
-            p.spent(field, getattr(timing, field))
+            PrefillPass.spend(lanes, field, getattr(timing, field))
         return weights
 
     # -- prefill ---------------------------------------------------------------------------
@@ -129,11 +130,15 @@ class Runner:
         try:
             for seq in seqs:
                 lanes.append(Lane(self, seq, shared_probes, piece, reads))
+            # The input embedding brought once, with every lane's token rows.
+            self._pass_weights(lanes, 0, ahead=1, rows=[
+                t for lane in lanes for t in (*lane.front_ids, *lane.new_ids)])
+            held = self.model.weight_read_buf[0].val
             parts = []
             for lane in lanes:
-                hidden = self._embed(lane.new_ids, lane.total, lane.stats)
+                hidden = self._embed(lane.new_ids, lane.total, lane.stats, held)
                 if lane.front:
-                    head = self._embed(list(lane.front_ids), lane.front, lane.stats)
+                    head = self._embed(list(lane.front_ids), lane.front, lane.stats, held)
                     hidden.val = TorchTensor.create_from_torch(
                         torch.cat([head.val.data, hidden.val.data], dim=1), self.compute)
                 lane.lo = sum(part.shape[1] for part in parts)
@@ -161,9 +166,9 @@ class Runner:
             for lane in p.lanes:
                 lane.read_ahead(layer + 1)
             j = 1 + 2 * layer
-            self._prefill_attention(p, layer, self._pass_weights(p, j, ahead=j + 1))
+            self._prefill_attention(p, layer, self._pass_weights(p.lanes, j, ahead=j + 1))
             p.drop(layer)
-            self._pass_weights(p, j + 1, ahead=j + 2)
+            self._pass_weights(p.lanes, j + 1, ahead=j + 2)
             self._prefill_mlp(p, 2 + 2 * layer)
             p.layer = layer + 1
             if pause is not None and pause():
@@ -172,7 +177,7 @@ class Runner:
 
     def finish_pass(self, p: PrefillPass) -> list[tuple]:
         """Per lane (kept, new_kv, last hidden states, output weights), once run."""
-        out_w = self._pass_weights(p, len(self.model.layers) - 1)
+        out_w = self._pass_weights(p.lanes, len(self.model.layers) - 1)
         data = p.hidden.val.data
         out = []
         for lane in p.lanes:
@@ -189,9 +194,11 @@ class Runner:
         x = p.hidden.val.data
         q, k_new, v_new = self._qkv(weights, x, p.groups)
         p.spent("compute_s", time.perf_counter() - t0)
+        calls = LaneCalls(self.attend)      # the lanes' canonical calls, shape by shape
         attn = [lane.attend(self, layer, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
-                            v_new[:, :, lane.lo:lane.hi]) for lane in p.lanes]
+                            v_new[:, :, lane.lo:lane.hi], calls) for lane in p.lanes]
         t0 = time.perf_counter()
+        calls.run()
         attn = attn[0] if len(attn) == 1 else torch.cat(attn, dim=2)
         p.hidden.val = TorchTensor.create_from_torch(self._out(weights, attn, x, p.groups),
                                                      self.compute)
@@ -246,8 +253,9 @@ class Runner:
         return attend(q, keys, values, mask, causal_tail, front, group=self.group,
                       device=self.device)
 
-    def _embed(self, ids, total_len: int, stats) -> ValueHolder:
-        self.load_weights(0, stats, ahead=1, rows=ids)
+    def _embed(self, ids, total_len: int, stats, held) -> ValueHolder:
+        """`ids` embedded by layer 0's weights `held` (brought for the pass)."""
+        again(self.model.weight_read_buf[0], held)
         with stats.timer("compute_s"):
             hidden, mask = ValueHolder(), ValueHolder()
             hidden.store(TorchTensor.create_from_torch(
@@ -266,18 +274,21 @@ class Runner:
     def first_tokens(self, seqs: list, outs: list[tuple]) -> list[Picked]:
         """Each sequence's first token from its last hidden state (its sampler made now: a
         retry picks the same), with its logprobs when asked."""
+        # One product of the output layer for the pass's last rows, as a decode step makes
+        # its batch's: its weights go through the CPU's caches once, not once per sequence.
+        t0 = time.perf_counter()
+        on_device = self.math.logits(outs[0][3], torch.cat([tail[-1:] for *_, tail, _ in outs]))
+        logits = on_device.cpu()
+        PrefillPass.spend(seqs, "compute_s", time.perf_counter() - t0)
         picked = []
-        for seq, (_, _, tail, out_w) in zip(seqs, outs):
+        for i, seq in enumerate(seqs):
             req = seq.request
-            with seq.stats.timer("compute_s"):
-                on_device = self.math.logits(out_w, tail[-1:])
-                logits = on_device.cpu()
             seq.sampler = Sampler(req.sampling)
-            token = seq.sampler.pick(logits[-1])
-            scores = step_scores(on_device, [0], [token], [req.logprobs])[0] \
+            token = seq.sampler.pick(logits[i])
+            scores = step_scores(on_device, [i], [token], [req.logprobs])[0] \
                 if req.logprobs is not None else None
-            row = logits[-1].clone() if req.keep_logits else None
-            picked.append(Picked(token, row, scores, logits))
+            row = logits[i].clone() if req.keep_logits else None
+            picked.append(Picked(token, row, scores, logits[i:i + 1].clone()))
         return picked
 
     def query_logits(self, out: tuple, first: Picked) -> torch.Tensor:
