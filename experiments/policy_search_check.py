@@ -30,23 +30,6 @@ RSS_LIMIT = 8 * GiB
 ROUNDS = 4      # generations per row; its median decode step is what is compared
 
 
-def best_of(a, b):
-    """The faster of two measurements of each rate (each is a best of a few runs already:
-    other work on a shared machine only ever slows one down)."""
-    import dataclasses
-
-    faster = {}
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name.endswith("per_s"):
-            faster[f.name] = max(x, y)
-        elif isinstance(x, tuple):
-            faster[f.name] = tuple(min(u, v) for u, v in zip(x, y))
-        elif isinstance(x, float):
-            faster[f.name] = min(x, y)
-    return dataclasses.replace(a, **faster)
-
-
 def rows_for(quick: bool, opt: str = "opt-125m", llama: str = "smollm2-135m"):
     from impress_flexgen.planner.policy_search import Policy
 
@@ -124,14 +107,14 @@ def main(argv=None) -> int:
     import dataclasses
 
     from impress_flexgen.models.runtime import RuntimeConfig, resolve_spec
-    from impress_flexgen.planner.machine import cpu_share
+    from impress_flexgen.planner.machine import cpu_share, faster
     from impress_flexgen.planner.policy_search import (Workload, error, measure_machine,
                                                        model_shape, predict)
 
     t0 = time.perf_counter()
     machine = measure_machine(False, use_cache=args.cached)
     if not args.cached:     # measured again, the best of the two: the machine is shared
-        machine = best_of(machine, measure_machine(False, use_cache=False))
+        machine = faster(machine, measure_machine(False, use_cache=False))
     print(f"machine rates ({'cached' if args.cached else 'measured twice'} in "
           f"{time.perf_counter() - t0:.1f} s): {machine}", flush=True)
     workload = Workload(args.prompt_tokens, args.new_tokens)

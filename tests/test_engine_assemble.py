@@ -116,8 +116,8 @@ def test_a_request_past_the_model_positions_is_refused_before_it_runs(tiny_runti
     rt = tiny_runtimes["opt-tiny"]
     engine = assemble(rt, make_policy("recomp"), None).engine
     limit = rt.spec.config.max_seq_len
-    with pytest.raises(UserError, match=f"needs {limit + 1} positions, more than the model's "
-                                        f"{limit}"):
+    with pytest.raises(UserError, match=f"need {limit + 1} positions, more than "
+                                        f"{rt.spec.name}'s {limit}"):
         engine.serve(Request(list(range(10, limit + 8)), [7], 2))   # limit - 1 + 2 new
     fits = engine.serve(Request(list(range(10, limit + 7)), [7], 2))    # exactly the limit
     assert len(fits.tokens) == 2

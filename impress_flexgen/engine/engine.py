@@ -101,6 +101,7 @@ class Engine:
                 ttl_s=tiers.remote_ttl, recompute_s=lambda n, ctx: None if self.planner is None
                 else self.planner.cost().compute_s(n, ctx))
         self.tier_names = TierConfig().names(remote=self.shared is not None)
+        self.spec = runtime.spec
         self.max_positions = runtime.spec.config.max_seq_len
         self.writer = StoreWriter()
         self.prefix = Prefixes(store, policy, self.shared, self.writer, math,
@@ -152,14 +153,14 @@ class Engine:
         """Queue a request (UserError if malformed); its sequence is finished, its response
         or error set, by a later step(). `choices`: the other choices of a scored prompt
         (the same prompt, each its own sampling), which share its prefill."""
-        seq = Sequence(checked(request, self.max_positions), want_query_logits=query_logits)
+        seq = Sequence(checked(request, self.spec), want_query_logits=query_logits)
         if choices or request.prompt_logprobs is not None:
             lead = seq.request
             if lead.prompt_logprobs is None:
                 raise UserError("only the choices of a scored prompt share a prefill")
             if lead.prefix:
                 raise UserError("a scored prompt is all query: it has no prefix")
-            seq.choices = [Sequence(checked(r, self.max_positions)) for r in choices]
+            seq.choices = [Sequence(checked(r, self.spec)) for r in choices]
             if any(c.request.query != lead.query or
                    c.request.prompt_logprobs != lead.prompt_logprobs for c in seq.choices):
                 raise UserError("the choices of a scored prompt must share its prompt")

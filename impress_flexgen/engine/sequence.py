@@ -25,6 +25,7 @@ import torch
 
 from ..errors import UserError
 from ..models import quant
+from ..models.runtime import check_lengths
 from ..request import Request, RequestStats, Response
 
 _ids = itertools.count()
@@ -346,19 +347,16 @@ class Sequence:
         return self.response
 
 
-def checked(request: Request, max_positions: int | None = None) -> Request:
-    """The request, refused (UserError) if malformed or longer than the model's
-    `max_positions` (its prompt and new tokens, as the runtime counts them); its on_token
-    relayed across retries."""
+def checked(request: Request, spec=None) -> Request:
+    """The request, refused (UserError) if malformed or longer than the positions of the
+    model `spec` (runtime.check_lengths); its on_token relayed across retries."""
     if not request.query:
         raise UserError("a request needs at least one query token")
     if request.max_new_tokens < 1:
         raise UserError("max_new_tokens must be at least 1")
-    prompt = len(request.prefix) + len(request.query)
-    if max_positions is not None and prompt + request.max_new_tokens > max_positions:
-        raise UserError(f"a request of {prompt} prompt tokens + {request.max_new_tokens} new "
-                        f"tokens needs {prompt + request.max_new_tokens} positions, more "
-                        f"than the model's {max_positions}")
+    if spec is not None:
+        check_lengths(spec, len(request.prefix) + len(request.query), request.max_new_tokens,
+                      "a request")
     if request.n_pad < 0 or (request.n_pad and request.n_pad >= len(request.prefix)):
         raise UserError("n_pad must leave at least one real prefix token")
     if request.forced is not None and request.max_new_tokens > 1 and \
