@@ -81,8 +81,10 @@ def _runtime_config(job: dict):
 def predicted(job: dict, machine) -> dict:
     """The policy search's prediction for this row's policy on `machine` (the rates
     measured once, before the rows): tokens/s over prefill and decode, and decode alone."""
+    from impress_flexgen.engine.attention import TILE
     from impress_flexgen.models.runtime import resolve_spec
     from impress_flexgen.planner.policy_search import Policy, Workload, model_shape, predict
+    from impress_flexgen.store import CHUNK_SIZE
 
     cfg = _runtime_config(job)
     p = cfg.placement
@@ -91,9 +93,11 @@ def predicted(job: dict, machine) -> dict:
                     job["gpu_batch_size"] if block else job["batch"],
                     job["num_gpu_batches"] if block else 1, act_gpu=p.act_gpu,
                     act_cpu=p.act_cpu)
+    # The rows' policy (recomp) is exact: each prefix's whole chunks go by canonical tiles.
+    work = Workload(job["prefix"] + QUERY_TOKENS, job["tokens"],
+                    tiled=job["prefix"] // CHUNK_SIZE * CHUNK_SIZE, tile=TILE)
     guess = predict(model_shape(resolve_spec(cfg, check_placement=False)), policy, machine,
-                    Workload(job["prefix"] + QUERY_TOKENS, job["tokens"]),
-                    overlap=cfg.overlap)
+                    work, overlap=cfg.overlap)
     return {"predicted_tokens_per_s": guess.tokens_per_s,
             "predicted_decode_tokens_per_s": guess.decode_tokens_per_s}
 

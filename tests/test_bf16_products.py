@@ -41,3 +41,47 @@ def test_few_bf16_rows_skip_f_linear(monkeypatch):
     base.linear(torch.randn(1, 1, 64), w.float())
     base.linear(torch.randn(1, 1, 96).bfloat16(), w.t())
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 5), (torch.float32, 256),
+                                        (torch.bfloat16, 3)])
+def test_opts_mlp_goes_by_linear_with_flexgens_values(monkeypatch, dtype, rows):
+    """OPT's MLP layer computes FlexGen's MLP by models.base.linear (a few bf16 rows by its
+    fast kernels, tiles by packed weights): float32 values bit for bit, bf16 to rounding."""
+    import types
+
+    from flexgen.pytorch_backend import TorchDevice, TorchTensor
+    from flexgen.utils import ValueHolder
+
+    from impress_flexgen.models.opt import OptMLP
+
+    g = torch.Generator().manual_seed(rows)
+    h, f = 64, 256
+    cpu = TorchDevice("cpu")
+    raw = [torch.randn(f, h, generator=g) * 0.05, torch.randn(f, generator=g) * 0.05,
+           torch.randn(h, f, generator=g) * 0.05, torch.randn(h, generator=g) * 0.05,
+           1 + torch.randn(h, generator=g) * 0.05, torch.randn(h, generator=g) * 0.05]
+    weights = [TorchTensor.create_from_torch(w.to(dtype), cpu) for w in raw]
+    x = torch.randn(1, rows, h, generator=g).to(dtype)
+    want = cpu.mlp(TorchTensor.create_from_torch(x.clone(), cpu), *weights,
+                   [False] * 7).data
+
+    layer = OptMLP.__new__(OptMLP)
+    layer.policy, layer.compute = types.SimpleNamespace(num_gpu_batches=1), cpu
+    buf, hidden = ValueHolder(), ValueHolder()
+    buf.store(tuple((w, False) for w in weights))
+    hidden.store(TorchTensor.create_from_torch(x.clone(), cpu))
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(base.F, "linear", lambda *a, **k: calls.append(a) or real(*a, **k))
+    tiles = base.TileProducts(256)
+    with tiles:
+        layer.forward(hidden, None, buf, None, None, 0, 0)
+        packed = len(tiles.packed)
+    got = hidden.val.data
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert calls == [] and torch.allclose(got.float(), want.float(), atol=2e-2)
+    # 256 float32 rows are a tile: both weights packed, F.linear not called.
+    assert packed == (2 if rows == 256 and base.MKL_PACKING else 0) and not tiles.packed

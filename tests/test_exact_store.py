@@ -208,11 +208,19 @@ def test_smollm2_stored_and_recomputed_answers_have_identical_logprobs(tmp_path)
     assert _same(ref, cold) and _same(ref, warm)
 
 
-def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
+@pytest.mark.parametrize("packed", [False, True])
+def test_canonical_rows_come_out_the_same_however_a_prompt_was_split(packed):
     """Rows computed by tiles: the same bits whichever rows were already there, for a
-    product at real widths and for attention."""
+    product at real widths (plain, and by a weight packed once for the tiles, as a pass
+    computes them) and for attention."""
+    import contextlib
+
     from impress_flexgen.engine.attention import TILE, attend_lane, plan_rows
     from impress_flexgen.engine.attention import attend
+    from impress_flexgen.models.base import MKL_PACKING, TileProducts, linear
+
+    if packed and not MKL_PACKING:
+        pytest.skip("this torch has no MKL packed products")
 
     gen = torch.Generator().manual_seed(0)
     n, kv, heads, d = 300, 3, 9, 64
@@ -231,8 +239,11 @@ def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
         groups, (lane,) = plan_rows([(0, positions, 288)], n - start, torch.device("cpu"))
         assert lane.n_block == 12 and all(len(g.positions[0]) == TILE for g in groups[:-1])
         out = torch.empty(1, n - start, 576)
-        for g in groups:
-            g.scatter(out, torch.nn.functional.linear(g.gather(x[:, start:], 1), w), 1)
+        tiles = TileProducts(TILE) if packed else contextlib.nullcontext()
+        with tiles:
+            for g in groups:
+                g.scatter(out, linear(g.gather(x[:, start:], 1), w), 1)
+            assert not packed or len(tiles.packed) == (start < 288)   # tiles: packed once
         return out, attend_lane(att, q[:, :, start:], keys, values, mask, lane)
 
     whole_x, whole_a = rows_from(0)
@@ -280,9 +291,10 @@ def test_a_passs_attention_calls_of_one_shape_go_together_each_as_alone(monkeypa
     calls.run()
     for a, b in zip(alone, outs):
         assert torch.equal(a, b)
-    # Tiles ending at 256 (shared mask: 3 requests; per-head: 1), at 512 (2 + 1), the
-    # blocks of 12 rows over 300 keys (2 + 1), of 6 over 150, of 40 over 40.
-    assert sorted(made) == [1, 1, 1, 1, 1, 2, 2, 3]
+    # Tiles of 64 positions ending at 64, 128 and 192 (shared mask: 3 requests), at 256 and
+    # 320 (2), the per-head mask's 5 tiles (1 each); the blocks of 12 rows over 300 keys
+    # (2 + 1), of 6 over 150, of 40 over 40.
+    assert sorted(made) == [1] * 8 + [2] * 3 + [3] * 3
 
 
 def test_a_groups_rows_copied_by_stretches_are_its_rows_by_index():

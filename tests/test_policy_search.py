@@ -343,3 +343,20 @@ def test_a_product_of_fewer_rows_never_costs_more_per_element(monkeypatch):
     monkeypatch.setattr(machine_mod, "_last_cache_bytes", lambda: 0)
     out = machine_mod._row_seconds("cpu", torch.float32, lambda: None)
     assert list(out) == sorted(out)
+
+
+def test_an_exact_prefill_is_predicted_with_its_tiles_padded(opt125):
+    """An exact policy computes each prefix's whole chunks by canonical tiles, a pass's such
+    rows padded to whole tiles: one 136-token prompt multiplies 256 + 8 rows, not 136, and
+    16 of them 8 full tiles + 128 rows; the prediction follows."""
+    exact = Workload(136, 8, tiled=128, tile=256)
+    assert exact.prefill_rows(1) == 264 and exact.prefill_rows(16) == 2048 + 128
+    assert Workload(136, 8).prefill_rows(1) == 136
+    alone = Policy(100, 0, 100, 0, 1, 1)
+    plain = ps.predict(opt125, alone, MACHINE, Workload(136, 8)).prefill_s
+    padded = ps.predict(opt125, alone, MACHINE, exact).prefill_s
+    as_264 = ps.predict(opt125, alone, MACHINE, Workload(264, 8)).prefill_s
+    assert plain < padded < as_264    # more rows through the products, the same attention
+    block = Policy(100, 0, 100, 0, 4, 4)
+    assert ps.predict(opt125, block, MACHINE, exact).prefill_s == pytest.approx(
+        ps.predict(opt125, block, MACHINE, Workload(136, 8)).prefill_s, rel=0.01)

@@ -18,8 +18,8 @@ shapes do not depend on how much of the prompt was stored, nor on the pass's oth
 
 - the whole-chunk prefix rows it computes (those a store keeps: positions below `end`, the
   prefix's last chunk boundary) go through every product in calls of exactly TILE rows (the
-  pass's such rows one after the other, the last call padded), and attend by tiles of TILE
-  positions aligned at multiples of TILE: a tile's queries (padded to TILE) over keys
+  pass's such rows one after the other, the last call padded), and attend by tiles of
+  ATTN_TILE positions aligned at its multiples: a tile's queries (padded) over keys
   [0, tile end) in position order (a pass's tiles of one shape in one batched call,
   LaneCalls: each comes out as it would alone). A row comes out the same whatever else shares its calls,
   so stored KV is the KV a recomputation makes, bit for bit, however the prefix got stored;
@@ -103,9 +103,15 @@ def _diagonal(s: int, tail: int, device) -> torch.Tensor:
     return out
 
 
-# Rows per call of a product and positions per attention tile: a multiple of every SIMD
-# width, rows enough that BLAS runs its blocked kernels, few calls per layer.
+# Rows per call of a product: a multiple of every SIMD width, rows enough that BLAS runs
+# its blocked kernels, few calls per layer.
 TILE = 256
+# Positions per attention tile. A tile's queries attend all keys up to its end, masked
+# causally inside it: the smaller the tile, the less of the causal triangle is computed and
+# masked away. 64 is the store's chunk, so a stored prefix never leaves a tile partial; a
+# 128-token prefix attends 64 x 64 + 64 x 128 scores, not 256 x 256 (5x less work).
+ATTN_TILE = 64
+# (Either changes the bits of the KV a store keeps: store.config.ROWS_VERSION says so.)
 
 
 @dataclasses.dataclass
@@ -206,9 +212,9 @@ def plan_rows(lanes: list[tuple[int, torch.Tensor, int]], n_rows: int, device
         block_index.append(torch.arange(lo + n_tiled, lo + len(positions), device=device))
         block_pos.append(positions[n_tiled:])
         tiles = []
-        for t in torch.unique(tiled // TILE).tolist():
-            local = ((tiled // TILE) == t).nonzero()[:, 0]
-            tiles.append((*_stretch(local, tiled[local] - t * TILE), t * TILE))
+        for t in torch.unique(tiled // ATTN_TILE).tolist():
+            local = ((tiled // ATTN_TILE) == t).nonzero()[:, 0]
+            tiles.append((*_stretch(local, tiled[local] - t * ATTN_TILE), t * ATTN_TILE))
         rows.append(LaneRows(tiles, len(positions) - n_tiled) if end else None)
     groups = []
     index, pos = torch.cat(tiled_index), torch.cat(tiled_pos)
@@ -256,10 +262,10 @@ class LaneCalls:
         out = q.new_empty(q.shape)
         shared = mask.shape[0] == 1 or bool((mask == mask[:1]).all())
         for local, slots, t0 in lane.tiles:
-            end = t0 + TILE        # a tile's queries (padded to TILE) over keys [0, end)
+            end = t0 + ATTN_TILE     # a tile's queries (padded) over keys [0, end)
             where = (local, slots)
             one = shared or bool((mask[:, :end] == mask[:1, :end]).all())
-            self.shapes.setdefault((TILE, end, TILE, one), []).append(
+            self.shapes.setdefault((ATTN_TILE, end, ATTN_TILE, one), []).append(
                 (q, keys, values, mask, out, where))
         if lane.n_block:
             n, s = lane.n_block, q.shape[2]

@@ -35,6 +35,7 @@ import weakref
 import numpy as np
 import torch
 
+from .. import cpu_threads
 from . import direct_read, dtypes, quant
 
 _applied = False
@@ -88,6 +89,9 @@ def cpu_copy_worker(copy_queue: queue_mod.Queue, cuda_id: int = 0) -> None:
     """
     from flexgen import pytorch_backend as pb
 
+    # Its copies run on this thread alone: a second thread's OpenMP team slows the
+    # computing thread's (cpu_threads).
+    cpu_threads.helper_thread()
     while True:
         item = copy_queue.get()
         if item is None:

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .. import cpu_threads
+
 ALIGN = 4096
 PIECE = 8 << 20
 SPLIT = 32 << 20
@@ -61,7 +63,8 @@ def _readers() -> ThreadPoolExecutor:
         if _pool is None:
             # Idle workers end with the interpreter (concurrent.futures joins them at exit).
             _pool = ThreadPoolExecutor(READER_THREADS * (READERS - 1),
-                                       thread_name_prefix="direct-read")
+                                       thread_name_prefix="direct-read",
+                                       initializer=cpu_threads.helper_thread)
         return _pool
 
 

@@ -13,7 +13,8 @@ from flexgen.pytorch_backend import TorchTensor
 
 from ..errors import UserError
 from .base import (FlexGenModel, LogitsRecorder, allocate_cache, check_compressed_cache,
-                   compressed_new, compressed_step, linear, output_logits, pick_next_token)
+                   compressed_new, compressed_step, dense, linear, output_logits,
+                   pick_next_token)
 from .weights import checkpoint_files, converted_dir, iter_checkpoint_tensors, save_tensor
 
 PUBLISHED = ("opt-125m", "opt-1.3b", "opt-6.7b", "opt-13b", "opt-30b")
@@ -86,6 +87,25 @@ class OptOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
         hidden.val = TorchTensor.create_from_torch(ids, self.compute)
 
 
+class OptMLP(flex_opt.MLP):
+    """FlexGen's MLP, its products through models.base.linear: a few bf16 rows by the
+    kernels fast for them, a prefill pass's tiles by weights packed once (FlexGen's own
+    calls F.linear). The same operations in the same order: float32 values are unchanged."""
+
+    def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
+                cache_write_buf, i, k):
+        held = weight_read_buf.pop() if k == self.policy.num_gpu_batches - 1 \
+            else weight_read_buf.val
+        wi, bi, wo, bo, w_ln, b_ln = (dense(w).data for w, _ in held)
+        x = hidden.val.data
+        out = F.layer_norm(x, (x.shape[-1],), weight=w_ln, bias=b_ln)
+        out = linear(out, wi, bias=bi)
+        F.relu(out, inplace=True)
+        out = linear(out, wo, bias=bo)
+        out.add_(x)
+        hidden.val = TorchTensor.create_from_torch(out, self.compute)
+
+
 class OptSelfAttention(flex_opt.SelfAttention):
     """FlexGen's attention with its KV cache in the model's dtype (FlexGen's is always fp16,
     which fp32 queries cannot be multiplied with on a split cache). A decode step over a
@@ -139,9 +159,12 @@ class OptModel(FlexGenModel, flex_opt.OptLM):
         self.weight_path = weight_path
         super().__init__(config, env, weight_path, policy)
         for layer in self.layers:
-            attention = layer.attention if isinstance(layer, flex_opt.TransformerLayer) else layer
+            attention, mlp = (layer.attention, layer.mlp) \
+                if isinstance(layer, flex_opt.TransformerLayer) else (layer, layer)
             if type(attention) is flex_opt.SelfAttention:
                 attention.__class__ = OptSelfAttention
+            if type(mlp) is flex_opt.MLP:
+                mlp.__class__ = OptMLP
         self.layers[-1].__class__ = OptOutputEmbed
 
 

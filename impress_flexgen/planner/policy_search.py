@@ -51,6 +51,16 @@ CACHE_GROUPS = Groups(64, 2)     # FlexGen's 4-bit KV groups (RuntimeConfig.cach
 class Workload:
     prompt_len: int = 512
     gen_len: int = 32
+    # Prompt tokens per sequence an exact policy computes by canonical tiles (its prefix's
+    # whole chunks: engine/attention.py), a pass's such rows padded to whole tiles of
+    # `tile` rows; 0: every prompt row as it comes.
+    tiled: int = 0
+    tile: int = 256
+
+    def prefill_rows(self, sequences: int) -> int:
+        """Token rows a prefill pass of `sequences` multiplies."""
+        tiled = -(-sequences * self.tiled // self.tile) * self.tile
+        return tiled + sequences * (self.prompt_len - self.tiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +238,9 @@ def predict(shape: Shape, policy: Policy, machine: Machine,
             workload: Workload = Workload(), overlap: bool = True) -> Prediction:
     """Predicted prefill and decode time of `policy` for `workload` on `machine`."""
     p, w = policy, workload
-    prefill, _, _ = _step(shape, p, machine, p.gpu_batch_size * w.prompt_len, w.prompt_len,
-                          w.prompt_len, w.prompt_len, overlap)
+    rows = -(-w.prefill_rows(p.block) // p.num_gpu_batches)     # per micro-batch
+    prefill, _, _ = _step(shape, p, machine, rows, w.prompt_len, w.prompt_len, w.prompt_len,
+                          overlap)
     context = w.prompt_len + w.gen_len / 2     # the decode steps' mean context
     decode, reads, computes = _step(shape, p, machine, p.gpu_batch_size, context, 1, 1,
                                     overlap)

@@ -18,6 +18,11 @@ STORE_FORMAT = "impress_flexgen-prefix-store"
 # tokens are laid out; the KV format is named beside it): part of every store identity.
 LAYOUT_VERSION = 2
 
+# Version of how an exact policy computes the prefix rows a store keeps (the canonical
+# tiles of engine/attention.py): KV computed in other calls differs in its last bits, so
+# it is another identity. 2: attention tiles of 64 positions, packed products.
+ROWS_VERSION = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -63,13 +68,14 @@ class ModelShape:
 def model_fingerprint(weights_digest: str, compute_dtype: str, chunk_size: int,
                       kv_format: str = LEGACY_KV_FORMAT, layout: int = LAYOUT_VERSION) -> str:
     """The identity of stored KV: the same only for the same weights (content, not name),
-    computed in the same dtype, stored in the same format, chunk size and layout."""
+    computed in the same dtype and the same calls, stored in the same format, chunk size
+    and layout."""
     # Formats that are a dtype are named by it, as before stores had other formats: an fp16
     # store keeps the identity it had.
     kv = kv_dtype_name(kv_format) if kv_format in KV_FORMATS else kv_format
     text = json.dumps({"weights": weights_digest, "compute_dtype": compute_dtype,
                        "kv_dtype": kv, "chunk_size": int(chunk_size),
-                       "layout": int(layout)}, sort_keys=True)
+                       "layout": int(layout), "rows": ROWS_VERSION}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

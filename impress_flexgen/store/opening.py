@@ -184,9 +184,9 @@ class StoreOpener:
         if not want:
             raise UserError(f"store {self.dir} belongs to the model {have[:12]}, not to an "
                             "unidentified one; use another --store-dir")
-        raise UserError(f"store {self.dir} holds KV of another model, weights or dtype "
-                        f"(identity {have[:12]}, this model is {want[:12]}); use another "
-                        "--store-dir")
+        raise UserError(f"store {self.dir} holds KV of another model, weights or dtype, "
+                        f"or KV computed by an older version (identity {have[:12]}, this "
+                        f"model is {want[:12]}); use another --store-dir")
 
     def _recover(self) -> None:
         """Load the tree from committed rows that pass their checks; take nodes that fail
