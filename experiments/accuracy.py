@@ -48,13 +48,16 @@ engine's per-request stats (workload_runner.summarize) over the task's requests.
 whole stored chunks: a 16-token smollm2 chunk holds 6 KiB of K (or V) in an 8 KiB aligned
 slot, so `full` reads 133% of the payload (64-token chunks: 24 KiB, no padding).
 
-Seeding. What a cold serve stores does not depend on the policy: with nothing matched there
-is no selection, and the store writes the prefix's K/V (fp16) and its probe copy. So each
-prefix is served cold once, in a template store, and its stored K/V read back; each
-configuration's fresh store then gets it through PrefixStore.insert, the call the engine's
-cold serve makes, with the same values. This saves a prefill of every prefix in every
-configuration. `--cold-serve` serves cold in every configuration instead;
-tests/test_accuracy.py checks that both give identical results.
+Seeding. What a cold serve stores does not depend on which selection a policy makes: with
+nothing matched there is no selection, and the store writes the prefix's K/V and its probe
+copy. It depends only on whether the policy is exact: an exact policy computes the prefix by
+canonical calls (engine/attention.py), a selecting one in one call per product, and the two
+differ in the last bits. So each prefix is served cold once per kind of policy the run has,
+in a template store, and its stored K/V read back; each configuration's fresh store then gets
+its kind's through PrefixStore.insert, the call the engine's cold serve makes, with the same
+values. This saves a prefill of every prefix in every configuration. `--cold-serve` serves
+cold in every configuration instead; tests/test_accuracy.py checks that both give identical
+results.
 
 Decode mode. The decode-phase page policies (icecache, quest, page_window = sink + recent
 window, page_random; policies.DECODE_POLICIES) prefill exactly as `full` does and choose pages
@@ -483,14 +486,15 @@ def _run_key(run: RunConfig, heads: tuple[int, int]) -> tuple:
 
 # -- running ----------------------------------------------------------------------------------
 class PrefixKV:
-    """Each prefix's stored K/V as a cold serve writes it, computed once (see "Seeding")."""
+    """Each prefix's stored K/V as a cold serve of an exact (or a selecting) policy writes
+    it, computed once (see "Seeding")."""
 
     def __init__(self, runtime: Runtime, tasks: Tasks, root: Path, progress=None,
-                 needed=None):
+                 needed=None, exact: bool = True):
         """`needed`: the prefixes the tasks run use (None: all)."""
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         cfg = ServingConfig(retention=1.0)
-        policy = make_policy("full", cfg)
+        policy = make_policy("full" if exact else "impress", cfg)
         tmp = scratch.make(root, "acctemplate")
         stack = assemble(runtime, policy, StoreSpec(tmp, chunk_size=16, probe_format="fp16",
                                                     reorder_interval=0, direct_io=False))
@@ -528,9 +532,16 @@ class RunContext:
     runtime: Runtime
     tasks: Tasks
     root: Path
-    seeds: PrefixKV | None          # None: literal cold serve per configuration
-    reference: dict
+    seeds: dict | None              # exact -> PrefixKV, made at first use; None: literal
+    reference: dict                 # cold serve per configuration
     progress: object = None
+    needed: set | None = None       # the prefixes seeded
+
+    def seed(self, exact: bool) -> PrefixKV:
+        if exact not in self.seeds:
+            self.seeds[exact] = PrefixKV(self.runtime, self.tasks, self.root, self.progress,
+                                         self.needed, exact)
+        return self.seeds[exact]
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -583,7 +594,7 @@ def evaluate(ctx: RunContext, run: RunConfig, tasks_to_run, decode: bool = False
                 if ctx.seeds is None:
                     engine.serve(Request(ids, [ids[-1]], 1))
                 else:
-                    store.insert(ids, 0, ctx.seeds.kv[p])
+                    store.insert(ids, 0, ctx.seed(policy.exact_reads).kv[p])
             for p, query in t.warmup:
                 if p in needed:
                     engine.serve(Request(t.prefixes[p], query, 1))
@@ -809,7 +820,9 @@ def main(argv=None) -> int:
             main_tasks = args.tasks if do_main else ["fidelity"]
             # Only the prefixes of the tasks run are seeded.
             needed = {p for task in main_tasks for p in tasks.prefixes_of(task)}
-            total = len(needed) if not args.cold_serve else 0
+            kinds = {make_policy(r.policy).exact_reads
+                     for r in runs + [d.run for d in decoded] + [x[3] for x in sens]}
+            total = len(needed) * len(kinds) if not args.cold_serve else 0
             total += sum(_requests(tasks, main_tasks, make_policy(r.policy).reuse)
                          for r in runs + [d.run for d in decoded])
             math_ = FamilyMath(rt.spec)
@@ -819,8 +832,8 @@ def main(argv=None) -> int:
             total += len(sens_keys) * _requests(tasks, ["fidelity"], True)
             results, sens_rows = [], []
             with tqdm(total=total, desc="requests", unit="req") as bar:
-                seeds = None if args.cold_serve else PrefixKV(rt, tasks, root, bar, needed)
-                ctx = RunContext(rt, tasks, root, seeds, {}, bar)
+                ctx = RunContext(rt, tasks, root, None if args.cold_serve else {}, {}, bar,
+                                 needed)
                 fidelity_of = {}      # configuration key -> its fidelity row
                 for run in runs:
                     rows = evaluate(ctx, run, main_tasks)

@@ -121,8 +121,7 @@ def test_decode_mode_on_small_tasks(tmp_path):
     try:
         with Runtime(RuntimeConfig(model="smollm2-135m")) as rt:
             tasks = accuracy.build_tasks(rt.tokenizer, settings)
-            ctx = accuracy.RunContext(rt, tasks, tmp_path,
-                                      accuracy.PrefixKV(rt, tasks, tmp_path), {})
+            ctx = accuracy.RunContext(rt, tasks, tmp_path, {}, {})
             prefill = accuracy.evaluate(ctx, RunConfig("full", "full", 1.0), accuracy.TASKS)
             runs = {d.run.label: d for d in accuracy.decode_runs()}
             ref, window = (accuracy.evaluate(ctx, d.run, accuracy.TASKS, decode=True,
