@@ -360,3 +360,16 @@ def test_an_exact_prefill_is_predicted_with_its_tiles_padded(opt125):
     block = Policy(100, 0, 100, 0, 4, 4)
     assert ps.predict(opt125, block, MACHINE, exact).prefill_s == pytest.approx(
         ps.predict(opt125, block, MACHINE, Workload(136, 8)).prefill_s, rel=0.01)
+
+
+def test_a_llama_layers_fixed_cost_is_its_own(opt125):
+    """A llama model's layers are predicted on the fixed cost measured on llama's layers
+    (more small operations than OPT's); OPT's predictions do not change with it."""
+    llama = ps.model_shape(resolve_spec(RuntimeConfig(model="llama-tiny", dtype=np.float32),
+                                        False))
+    alone = Policy(100, 0, 100, 0, 1, 1)
+    heavier = MACHINE.scaled(llama_layer_s=(2e-3, 3e-3))
+    layers = sum(x.count for x in llama.layers)
+    assert ps.predict(llama, alone, heavier, WORK).compute_s == pytest.approx(
+        ps.predict(llama, alone, MACHINE, WORK).compute_s + layers * (2e-3 - 5e-4), rel=1e-9)
+    assert ps.predict(opt125, alone, heavier, WORK) == ps.predict(opt125, alone, MACHINE, WORK)

@@ -40,10 +40,11 @@ from .costs import machine_key
 from .estimate import Rates, measure_rates
 
 CACHE_FILE = "MACHINE.json"
-CACHE_VERSION = 4   # 2: products over 128 MiB of matrices, disk read by four threads;
+CACHE_VERSION = 5   # 2: products over 128 MiB of matrices, disk read by four threads;
                     # 3: read past the page cache, as the runtime reads disk weights;
                     # 4: products through models.base.linear, over twice the last cache,
-                    #    layer cost in the dtype, disk read in 64 MiB files
+                    #    layer cost in the dtype, disk read in 64 MiB files;
+                    # 5: a llama layer's fixed cost apart from OPT's
 ROWS = (1, 4, 16, 64)
 _SIDE = 2048
 _MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, the least measured over
@@ -80,6 +81,9 @@ class Machine:
     layer_s: tuple[float, float]        # one FlexGen layer's fixed cost at batch 1 and 8
     contention: float = 0.0             # the share of the shorter of read and compute lost
     share: float = 1.0                  # of a core, what a busy thread gets now (other work)
+    # The same of a llama layer (RMSNorm, rotary tables, SiLU: more small operations than
+    # OPT's; SmolLM2's decode step was predicted 27% short on OPT's); None: OPT's.
+    llama_layer_s: tuple[float, float] | None = None
 
     def element_seconds(self, rows: int) -> float:
         """Seconds per weight element of a product of `rows` rows: interpolated between
@@ -92,11 +96,12 @@ class Machine:
             return float(np.interp(rows, xs, ys))
         return float(ys[-1]) * rows / ROWS[-1]
 
-    def layer_seconds(self, batch: int) -> float:
+    def layer_seconds(self, batch: int, family: str = "opt") -> float:
         """A layer's fixed cost for a micro-batch of `batch` sequences (linear in it, never
         below batch 1's: a batch of 8 measured cheaper was another program's turn in the
-        batch-1 steps)."""
-        one, eight = self.layer_s
+        batch-1 steps), in the model family's layers."""
+        one, eight = self.llama_layer_s if family == "llama" and self.llama_layer_s \
+            else self.layer_s
         one = min(one, eight)
         return one + (eight - one) * (batch - 1) / 7
 
@@ -251,10 +256,11 @@ def _on_thread(fn):
     t.join()
 
 
-def _layer_s(dtype: torch.dtype) -> tuple[float, float]:
-    """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of opt-tiny
-    in `dtype` over its six layers (its products are a few thousand elements), the two
-    batches taking turns so that other work on the machine weighs on both alike."""
+def _layer_s(dtype: torch.dtype, model: str = "opt-tiny") -> tuple[float, float]:
+    """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of `model`
+    (opt-tiny, llama-tiny) in `dtype` over its six layers (its products are a few thousand
+    elements), the two batches taking turns so that other work on the machine weighs on
+    both alike."""
     from contextlib import ExitStack
 
     from flexgen.timer import timers
@@ -265,7 +271,7 @@ def _layer_s(dtype: torch.dtype) -> tuple[float, float]:
 
     with ExitStack() as stack:
         runtimes = {b: stack.enter_context(Runtime(RuntimeConfig(
-            model="opt-tiny", placement=Placement(), gpu_batch_size=b, work_tokens=32,
+            model=model, placement=Placement(), gpu_batch_size=b, work_tokens=32,
             dtype=dtypes.of_name(dtypes.flag(dtype)), max_ram_bytes=1 << 30)))
             for b in (1, 8)}
         steps: dict[int, list[float]] = {1: [], 8: []}
@@ -298,7 +304,8 @@ def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
     disk_rate, disk_file = _disk(paths.offload_dir(), cuda)
     return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
                    _row_seconds(device, dtype, sync),
-                   disk_rate, disk_file, _link(cuda), _layer_s(dtype), _contention(cuda))
+                   disk_rate, disk_file, _link(cuda), _layer_s(dtype), _contention(cuda),
+                   llama_layer_s=_layer_s(dtype, "llama-tiny"))
 
 
 def _cuda_rates(dtype) -> Rates:

@@ -199,7 +199,7 @@ def _compute(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int,
     """Seconds of one micro-batch through one layer: `rows` token rows through its
     products, `queries` new tokens per sequence attending over `tokens` positions."""
     b = p.gpu_batch_size
-    seconds = m.layer_seconds(b)
+    seconds = m.layer_seconds(b, getattr(shape.spec, "family", "opt"))
     matrices = sum(e for e, mat in zip(layer.elements, layer.matrix) if mat)
     if p.compress_weight:
         seconds += matrices / m.unpack_per_s
