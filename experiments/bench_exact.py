@@ -4,8 +4,7 @@ call, and the bytes of the store's KV formats.
     python -m experiments.bench_exact [--quick] [--threads N] [--json out.json]
 
 An exact policy runs a request's whole-chunk prefix rows through every product in calls of
-256 rows (float32 on a CPU: each weight packed once for them) and attends them by tiles of
-64 positions (engine/attention.py), so that stored KV
+256 rows and attends them by tiles of 64 positions (engine/attention.py), so that stored KV
 is recomputed KV bit for bit. This times a cold prefill of a prefix plus a query both ways,
 alternating in one process, wall and CPU time, and checks that the logits agree to rounding.
 Where other processes share the cores, every parallel call waits for its threads to be

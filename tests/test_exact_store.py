@@ -208,19 +208,11 @@ def test_smollm2_stored_and_recomputed_answers_have_identical_logprobs(tmp_path)
     assert _same(ref, cold) and _same(ref, warm)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_canonical_rows_come_out_the_same_however_a_prompt_was_split(packed):
+def test_canonical_rows_come_out_the_same_however_a_prompt_was_split():
     """Rows computed by tiles: the same bits whichever rows were already there, for a
-    product at real widths (plain, and by a weight packed once for the tiles, as a pass
-    computes them) and for attention."""
-    import contextlib
-
+    product at real widths and for attention."""
     from impress_flexgen.engine.attention import TILE, attend_lane, plan_rows
     from impress_flexgen.engine.attention import attend
-    from impress_flexgen.models.base import MKL_PACKING, TileProducts, linear
-
-    if packed and not MKL_PACKING:
-        pytest.skip("this torch has no MKL packed products")
 
     gen = torch.Generator().manual_seed(0)
     n, kv, heads, d = 300, 3, 9, 64
@@ -239,11 +231,8 @@ def test_canonical_rows_come_out_the_same_however_a_prompt_was_split(packed):
         groups, (lane,) = plan_rows([(0, positions, 288)], n - start, torch.device("cpu"))
         assert lane.n_block == 12 and all(len(g.positions[0]) == TILE for g in groups[:-1])
         out = torch.empty(1, n - start, 576)
-        tiles = TileProducts(TILE) if packed else contextlib.nullcontext()
-        with tiles:
-            for g in groups:
-                g.scatter(out, linear(g.gather(x[:, start:], 1), w), 1)
-            assert not packed or len(tiles.packed) == (start < 288)   # tiles: packed once
+        for g in groups:
+            g.scatter(out, torch.nn.functional.linear(g.gather(x[:, start:], 1), w), 1)
         return out, attend_lane(att, q[:, :, start:], keys, values, mask, lane)
 
     whole_x, whole_a = rows_from(0)

@@ -237,10 +237,6 @@ PRIVATE_ALLOWED = {
     ("impress_flexgen/models/quant.py", "torch._C._storage_Use_Count"),
     ("impress_flexgen/models/quant.py", "torch._C"),
     ("impress_flexgen/models/quant.py", "t.untyped_storage()._cdata"),
-    # torch's only way to multiply by a weight packed once for many calls (MKL's packed
-    # GEMM; torch's own compiler uses it for CPU linear layers).
-    ("impress_flexgen/models/base.py", "ops._mkl_reorder_linear_weight"),
-    ("impress_flexgen/models/base.py", "ops._mkl_linear"),
 }
 
 

@@ -29,11 +29,11 @@ import torch
 from flexgen.pytorch_backend import TorchTensor
 from flexgen.utils import ValueHolder
 
-from ..models.base import TileProducts, dense
+from ..models.base import dense
 from ..models.runtime import Runtime
 from ..request import RequestStats
 from ..sampling import Sampler
-from .attention import TILE, LaneCalls, attend, plan_rows
+from .attention import LaneCalls, attend, plan_rows
 from .family import FamilyMath
 from .kv_home import KVHome
 from .lane import Lane, PrefillPass
@@ -192,9 +192,7 @@ class Runner:
         unless an exact policy's rows go by canonical tiles)."""
         t0 = time.perf_counter()
         x = p.hidden.val.data
-        tiles = TileProducts(TILE)      # the layer's weights packed once for its tiles
-        with tiles:
-            q, k_new, v_new = self._qkv(weights, x, p.groups)
+        q, k_new, v_new = self._qkv(weights, x, p.groups)
         p.spent("compute_s", time.perf_counter() - t0)
         calls = LaneCalls(self.attend)      # the lanes' canonical calls, shape by shape
         attn = [lane.attend(self, layer, q[:, :, lane.lo:lane.hi], k_new[:, :, lane.lo:lane.hi],
@@ -202,9 +200,8 @@ class Runner:
         t0 = time.perf_counter()
         calls.run()
         attn = attn[0] if len(attn) == 1 else torch.cat(attn, dim=2)
-        with tiles:
-            out = self._out(weights, attn, x, p.groups)
-        p.hidden.val = TorchTensor.create_from_torch(out, self.compute)
+        p.hidden.val = TorchTensor.create_from_torch(self._out(weights, attn, x, p.groups),
+                                                     self.compute)
         p.spent("compute_s", time.perf_counter() - t0)
 
     def _prefill_mlp(self, p: PrefillPass, j: int) -> None:
@@ -218,14 +215,13 @@ class Runner:
             held = buf.val
             x = p.hidden.val.data
             out = torch.empty_like(x)
-            with TileProducts(TILE):
-                for g in groups:
-                    if buf.val is None:          # the layer's forward takes the weights out
-                        buf.store(held)
-                    part = ValueHolder()
-                    part.store(TorchTensor.create_from_torch(g.gather(x, 1), self.compute))
-                    self._forward(j, part)
-                    g.scatter(out, part.val.data, 1)
+            for g in groups:
+                if buf.val is None:          # the layer's forward takes the weights out
+                    buf.store(held)
+                part = ValueHolder()
+                part.store(TorchTensor.create_from_torch(g.gather(x, 1), self.compute))
+                self._forward(j, part)
+                g.scatter(out, part.val.data, 1)
             p.hidden.val = TorchTensor.create_from_torch(out, self.compute)
         p.spent("compute_s", time.perf_counter() - t0)
 

@@ -1,8 +1,6 @@
 """What every model of ours adds to FlexGen's OptLM: weights from our sources, fixes, logits."""
 from __future__ import annotations
 
-import contextvars
-
 import torch
 import torch.nn.functional as F
 from flexgen.pytorch_backend import DeviceType, TorchTensor
@@ -25,63 +23,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dim() == 2 \
             and weight.is_contiguous() and x.numel() <= FEW_ROWS * x.shape[-1]:
         return few_rows_bf16(x, weight, bias)
-    tiles = _tiles.get()
-    if tiles is not None and tiles.takes(x, weight):
-        return tiles.linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def _mkl_packed_ops() -> tuple | None:
-    """(pack a weight, multiply by it packed): MKL's packed GEMM, as torch exposes it to
-    its own compiler for CPU linear layers; None where this torch has none."""
-    try:
-        ops = torch.ops.mkl
-        if torch.backends.mkl.is_available():
-            return ops._mkl_reorder_linear_weight, ops._mkl_linear
-    except (AttributeError, RuntimeError):
-        pass
-    return None
-
-
-_PACK, _PACKED_LINEAR = _mkl_packed_ops() or (None, None)
-MKL_PACKING = _PACK is not None
-_tiles: contextvars.ContextVar = contextvars.ContextVar("tile_products", default=None)
-
-
-class TileProducts:
-    """Inside `with TileProducts(rows):` a float32 product of exactly `rows` rows on a CPU
-    (a prefill pass's canonical tile: engine/attention.py) multiplies a copy of its weight
-    packed once, at its first such product, into MKL's blocked layout. A plain call packs
-    its weight on every call: 15-20% of a 256-row product at OPT-125M's widths, paid once
-    per tile. Every tile goes this way, however many its pass has, so a row's values never
-    depend on its pass (a row of a packed product depends only on that row: tests). The
-    packed copies live until the `with` ends (one layer's weights)."""
-
-    def __init__(self, rows: int):
-        self.rows = rows
-        self.packed: dict[tuple, tuple] = {}
-
-    def __enter__(self):
-        self._token = _tiles.set(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _tiles.reset(self._token)
-        self.packed.clear()
-
-    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return MKL_PACKING and x.dtype == torch.float32 and weight.dtype == torch.float32 \
-            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2 \
-            and weight.is_contiguous() and x.numel() == self.rows * x.shape[-1]
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        key = (weight.data_ptr(), *weight.shape)
-        held = self.packed.get(key)
-        if held is None:     # the weight is held too: its memory is not reused meanwhile
-            held = self.packed[key] = (weight, _PACK(weight, self.rows))
-        out = _PACKED_LINEAR(x.reshape(self.rows, x.shape[-1]), held[1], weight, bias,
-                             self.rows)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # Rows up to which a bf16 product on a CPU goes by few_rows_bf16 (a decode batch's).

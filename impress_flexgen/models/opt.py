@@ -88,9 +88,9 @@ class OptOutputEmbed(flex_opt.OutputEmbed, LogitsRecorder):
 
 
 class OptMLP(flex_opt.MLP):
-    """FlexGen's MLP, its products through models.base.linear: a few bf16 rows by the
-    kernels fast for them, a prefill pass's tiles by weights packed once (FlexGen's own
-    calls F.linear). The same operations in the same order: float32 values are unchanged."""
+    """FlexGen's MLP, its products through models.base.linear, where a few bf16 rows go by
+    the kernels fast for them (FlexGen's own calls F.linear). The same operations in the
+    same order: float32 values are unchanged."""
 
     def forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask,
                 cache_write_buf, i, k):

@@ -20,7 +20,7 @@ LAYOUT_VERSION = 2
 
 # Version of how an exact policy computes the prefix rows a store keeps (the canonical
 # tiles of engine/attention.py): KV computed in other calls differs in its last bits, so
-# it is another identity. 2: attention tiles of 64 positions, packed products.
+# it is another identity. 2: attention tiles of 64 positions.
 ROWS_VERSION = 2
 
 
