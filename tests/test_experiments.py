@@ -98,7 +98,7 @@ def test_policy_search_check_compares_every_row(tmp_path, monkeypatch):
     from impress_flexgen.planner.machine import Machine
 
     machine = Machine(cuda=False, flops_per_s=1e11, bytes_per_s=2e10, unpack_per_s=2e9,
-                      row_seconds=(1e-10, 1.5e-10, 3e-10, 1e-9), disk_bytes_per_s=1e9,
+                      row_seconds=(1e-10, 1.5e-10, 3e-10, 1e-9, 4e-9), disk_bytes_per_s=1e9,
                       disk_file_s=1e-4, link_bytes_per_s=1e10, layer_s=(5e-4, 8e-4))
 
     monkeypatch.setenv("IMPRESS_FLEXGEN_CACHE", str(tmp_path / "cache"))

@@ -21,9 +21,9 @@ from impress_flexgen.planner.policy_search import Machine, Policy, Workload
 
 # A CPU's rates, round numbers of the order this machine measures.
 MACHINE = Machine(cuda=False, flops_per_s=1e11, bytes_per_s=2e10, unpack_per_s=2e9,
-                  row_seconds=(1e-10, 1.5e-10, 3e-10, 1e-9), disk_bytes_per_s=1e9,
+                  row_seconds=(1e-10, 1.5e-10, 3e-10, 1e-9, 4e-9), disk_bytes_per_s=1e9,
                   disk_file_s=1e-4, link_bytes_per_s=1e10, layer_s=(5e-4, 8e-4),
-                  contention=0.3)
+                  contention=0.3, disk_cpu_bytes_per_s=3e9)
 WORK = Workload(64, 16)
 FP32 = candidates(False, np.float32, False)
 
@@ -134,7 +134,7 @@ def test_the_fastest_of_each_rate_measured_is_kept(monkeypatch):
     """Another program's turn slows some tries of a rate: each rate is its fastest try;
     the disk's, which no program's turn on the cores slows, is its middle one."""
     tries = iter([MACHINE.scaled(disk_bytes_per_s=5e8, layer_s=(1e-3, 9e-4)),
-                  MACHINE.scaled(row_seconds=(9e-10, 1e-9, 1e-9, 2e-9), contention=0.9,
+                  MACHINE.scaled(row_seconds=(9e-10, 1e-9, 1e-9, 2e-9, 5e-9), contention=0.9,
                                  disk_bytes_per_s=3e9, disk_file_s=1e-5),
                   MACHINE.scaled(flops_per_s=1e10)])
     monkeypatch.setattr(machine_mod, "TRIES", 3)
@@ -203,12 +203,15 @@ def test_throughput_plans_a_budget_only_the_searched_policy_fits(tmp_path, capsy
 
 
 def test_a_product_past_the_measured_rows_costs_the_same_per_row():
-    """Past 64 rows (a prefill's products) each row costs what one of the 64 did, not a
-    64-row product plus the rest at another product's rate (a 4096-square fp32 product's
-    flops_per_s, half what this machine's bf16 kernels reach)."""
-    per_row = MACHINE.row_seconds[-1] / 64
-    for rows in (64, 128, 544, 2176):
+    """Past 256 rows (an exact prefill's tile) each row costs what one of the 256 did, not
+    a 256-row product plus the rest at another product's rate (a 4096-square fp32
+    product's flops_per_s, half what this machine's bf16 kernels reach); between 64 and
+    256 rows a product costs what the two measured ones say, not 64 rows' rate scaled."""
+    per_row = MACHINE.row_seconds[-1] / 256
+    for rows in (256, 544, 2176):
         assert MACHINE.element_seconds(rows) == pytest.approx(per_row * rows, rel=1e-12)
+    assert MACHINE.element_seconds(160) == pytest.approx(
+        (MACHINE.row_seconds[-2] + MACHINE.row_seconds[-1]) / 2, rel=1e-12)
     assert MACHINE.scaled(flops_per_s=1e9).element_seconds(544) == \
         MACHINE.element_seconds(544)
 
@@ -298,14 +301,15 @@ def test_the_disk_is_timed_on_files_a_large_models_matrices_fill(monkeypatch, tm
     """A decode step reads gigabytes in files of tens of MiB (read in two streams): the
     disk's rate comes from files that large, half a GiB a pass, not from 8 MiB bursts."""
     from impress_flexgen.models import direct_read
+    from impress_flexgen.planner import transfers
 
     sizes = []
-    monkeypatch.setattr(machine_mod.np, "save", lambda path, a: sizes.append(a.nbytes) or
+    monkeypatch.setattr(transfers.np, "save", lambda path, a: sizes.append(a.nbytes) or
                         (tmp_path / "x").write_bytes(b""))
-    monkeypatch.setattr(machine_mod.np.lib.format, "open_memmap",
+    monkeypatch.setattr(transfers.np.lib.format, "open_memmap",
                         lambda path, mode: np.zeros(0, np.float32))
     monkeypatch.setattr(direct_read, "read_npy", lambda path, dst: 0)
-    machine_mod._disk(tmp_path, False)
+    transfers.disk_rates(tmp_path, False)
     assert max(sizes) >= direct_read.SPLIT and sum(s for s in sizes if s == max(sizes)) \
         >= 512 << 20
 
@@ -373,3 +377,65 @@ def test_a_llama_layers_fixed_cost_is_its_own(opt125):
     assert ps.predict(llama, alone, heavier, WORK).compute_s == pytest.approx(
         ps.predict(llama, alone, MACHINE, WORK).compute_s + layers * (2e-3 - 5e-4), rel=1e-9)
     assert ps.predict(opt125, alone, heavier, WORK) == ps.predict(opt125, alone, MACHINE, WORK)
+
+
+def test_a_stored_prefix_is_read_once_for_the_pass_not_computed(opt125):
+    """A prefix whose KV the store holds is read, once for the pass whatever the block
+    (the pass's sequences share its chunks), and only the rest of each prompt is
+    multiplied: 16 x 8 rows in one call."""
+    stored = Workload(136, 8, stored=128)
+    assert stored.prefill_calls(16) == (128,) and stored.prefill_rows(1) == 8
+    in_memory = Policy(100, 0, 100, 0, 4, 4)       # no weight reads: the KV's alone
+    computed = ps.predict(opt125, in_memory, MACHINE, Workload(136, 8, tiled=128))
+    read = ps.predict(opt125, in_memory, MACHINE, stored, overlap=False)
+    assert read.prefill_s < computed.prefill_s
+    slower = ps.predict(opt125, in_memory, MACHINE.scaled(disk_bytes_per_s=5e8), stored,
+                        overlap=False)
+    kv_bytes = 12 * 2 * opt125.kv_width * 128 * opt125.itemsize      # 12 layers, K and V
+    assert slower.prefill_s - read.prefill_s == pytest.approx(kv_bytes / 5e8 - kv_bytes / 1e9,
+                                                              rel=1e-9)
+    assert slower.decode_step_s == read.decode_step_s
+
+
+def test_a_prefills_element_wise_work_grows_with_its_rows(opt125):
+    """A prefill pays PASS_OPS element-wise operations over the hidden width per row and
+    layer (norms, residuals, tile copies); a decode step's are in the layer's fixed cost."""
+    work, alone = Workload(136, 8), Policy(100, 0, 100, 0, 1, 1)
+    none = ps.predict(opt125, alone, MACHINE, work)
+    some = ps.predict(opt125, alone, MACHINE.scaled(activation_s=1e-10), work)
+    assert some.prefill_s - none.prefill_s == pytest.approx(
+        12 * 136 * 768 * ps.PASS_OPS * 1e-10, rel=1e-9)
+    assert some.decode_step_s == none.decode_step_s
+
+
+def test_an_overlapped_step_loses_what_the_reads_copies_take_of_the_cores(opt125):
+    """The disk moves its bytes beside the compute: a step whose reads outlast each layer's
+    compute and copies is its reads' time, whatever `contention`; the compute loses the
+    core time of the reading's copies (times `contention`), so a step never takes more
+    than its read and compute one after the other, nor less than the larger of them."""
+    alone = Policy(0, 0, 100, 0, 1, 1)
+    g = ps.predict(opt125, alone, MACHINE.scaled(contention=1.0), WORK)
+    assert g.decode_step_s == pytest.approx(g.read_s, rel=1e-9)
+    block = Policy(0, 0, 100, 0, 64, 1)
+    free = ps.predict(opt125, block, MACHINE.scaled(disk_cpu_bytes_per_s=0.0), WORK)
+    slow = MACHINE.scaled(disk_cpu_bytes_per_s=1e8, contention=1.0)   # copies outlast all
+    busy = ps.predict(opt125, block, slow, WORK)
+    serial = ps.predict(opt125, block, slow, WORK, overlap=False)
+    assert max(free.read_s, free.compute_s) <= free.decode_step_s < busy.decode_step_s
+    assert busy.decode_step_s <= serial.decode_step_s == pytest.approx(
+        busy.read_s + busy.compute_s, rel=1e-9)
+
+
+def test_each_sequence_pays_for_handling_its_stored_prefix_in_every_layer(opt125,
+                                                                          monkeypatch):
+    """Reading a stored prefix costs each sequence of the pass STORED_LAYER_COSTS layer
+    fixed costs in every attention layer (matching, the policy's plan, gathering chunks);
+    a computed prefix does not pay it."""
+    stored, block = Workload(136, 8, stored=128), Policy(100, 0, 100, 0, 4, 4)
+    with_cost = ps.predict(opt125, block, MACHINE, stored).prefill_s
+    computed = ps.predict(opt125, block, MACHINE, Workload(136, 8, tiled=128)).prefill_s
+    monkeypatch.setattr(ps, "STORED_LAYER_COSTS", 0)
+    without = ps.predict(opt125, block, MACHINE, stored).prefill_s
+    assert with_cost - without == pytest.approx(
+        12 * 16 * 3 * MACHINE.layer_seconds(1), rel=1e-9)
+    assert ps.predict(opt125, block, MACHINE, Workload(136, 8, tiled=128)).prefill_s == computed

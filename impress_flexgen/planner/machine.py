@@ -7,15 +7,19 @@ Everything is measured in one compute dtype (a weight format's: bf16 products ru
 kernels than fp32's, at other rates) and cached per dtype. Reused from the planner's
 estimate (estimate.measure_rates): the compute dtype's product rate and the bytes a one-row
 product streams. Measured here, each the best of a few short runs: the time per weight
-element of products of 1, 4, 16 and 64 rows through the models' own product
+element of products of 1, 4, 16, 64 and 256 rows through the models' own product
 (models.base.linear: a few bf16 rows go by other kernels than F.linear's), over matrices
 twice the size of the CPU's last cache (at least 128 MiB; this machine's is 480 MiB) so
 that they come from memory, as a large model's weights do (a decode block's products are
-neither one row nor a prefill's many; past 64 rows a product costs the same per row);
+neither one row nor a prefill's many; 256 rows is an exact prefill's tile, and past it a
+product costs the same per row); the time per value of an element-wise operation on a
+64-row activation (`activation_s`: a prefill's norms, residuals and tile copies);
 4-bit unpacking; reading FlexGen's disk files the way its
 copy threads do (memory maps of .npy files copied into new tensors by four threads at once:
 a fixed cost per file and a rate, from small and large files, so what is measured is what
-FlexGen sees, the page cache included); a copy between memory buffers (CPU to "GPU" without
+FlexGen sees, the page cache included; and the core time the large files' reads took,
+`disk_cpu_bytes_per_s`: copying out of the read buffers takes a core from the compute
+beside it); a copy between memory buffers (CPU to "GPU" without
 CUDA; with CUDA the CPU-GPU link); how much a copy slows a product running beside it
 (`contention`: 0 for perfect overlap, 1 for none); one FlexGen layer's fixed cost, from
 decode steps of the 2-layer opt-tiny in the same dtype at batch 1 and 8 (Python and kernel
@@ -28,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import threading
 import time
 
 import numpy as np
@@ -38,14 +40,17 @@ import torch
 from .. import paths
 from .costs import machine_key
 from .estimate import Rates, measure_rates
+from .transfers import contention, disk_rates, fastest, link_rate
 
 CACHE_FILE = "MACHINE.json"
-CACHE_VERSION = 5   # 2: products over 128 MiB of matrices, disk read by four threads;
+CACHE_VERSION = 6   # 2: products over 128 MiB of matrices, disk read by four threads;
                     # 3: read past the page cache, as the runtime reads disk weights;
                     # 4: products through models.base.linear, over twice the last cache,
                     #    layer cost in the dtype, disk read in 64 MiB files;
-                    # 5: a llama layer's fixed cost apart from OPT's
-ROWS = (1, 4, 16, 64)
+                    # 5: a llama layer's fixed cost apart from OPT's;
+                    # 6: products of 256 rows, element-wise operations, a disk
+                    #    read's core time
+ROWS = (1, 4, 16, 64, 256)
 _SIDE = 2048
 _MATRICES = 8           # of 16 MiB each in fp32: 128 MiB, the least measured over
 _MAX_MATRIX_BYTES = 2 << 30
@@ -84,6 +89,12 @@ class Machine:
     # The same of a llama layer (RMSNorm, rotary tables, SiLU: more small operations than
     # OPT's; SmolLM2's decode step was predicted 27% short on OPT's); None: OPT's.
     llama_layer_s: tuple[float, float] | None = None
+    # Seconds per value of one element-wise operation on a 64-row activation (an
+    # attention tile's); 0 with CUDA, whose element-wise kernels run behind its products.
+    activation_s: float = 0.0
+    # Bytes a disk read moves per second of a core it spends (copying out of its read
+    # buffers, the system calls); 0: not measured, a read is taken to spend none.
+    disk_cpu_bytes_per_s: float = 0.0
 
     def element_seconds(self, rows: int) -> float:
         """Seconds per weight element of a product of `rows` rows: interpolated between
@@ -119,18 +130,6 @@ def _clock():
     return time.perf_counter
 
 
-def _best(fn, repeats: int = 5, sync=lambda: None, clock=time.perf_counter) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        sync()
-        best = min(best, clock() - t0)
-    return max(best, 1e-9)
-
-
 def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     """Seconds per weight element of a product of each of ROWS rows, over matrices that
     together outgrow the CPU's caches (a decode step streams every weight from memory: one
@@ -162,100 +161,6 @@ def _row_seconds(device: str, dtype: torch.dtype, sync) -> tuple[float, ...]:
     return tuple(min(seconds[r:]) for r in range(len(ROWS)))
 
 
-COPY_THREADS = 4     # FlexGen's TorchDisk copy threads, reading files side by side
-FILES = 8
-
-
-def _disk(root, cuda: bool) -> tuple[float, float]:
-    """(bytes/s, seconds per file) of the runtime's disk weight reads: FILES .npy files of
-    256 KiB, then of 64 MiB (a large model's matrix, read in two streams as the runtime reads
-    one), each read into a new tensor by COPY_THREADS threads at once, as FlexGen's copy
-    threads do: past the page cache (direct_read) where the runtime reads so (weights loaded
-    into CPU memory), through a memory map where FlexGen's own copy does. Half a GiB a pass:
-    a decode step reads gigabytes, and a shorter read meets a virtual disk's bursts (8 MiB
-    files gave 1.4-1.8 GB/s here where a step's reads ran at 0.7-1.0 GB/s)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..models import direct_read
-
-    where = root / f"machine-{os.getpid()}"
-    where.mkdir(parents=True, exist_ok=True)
-
-    def read(path):
-        torch.set_num_threads(1)
-        src = np.lib.format.open_memmap(path, mode="r+")
-        dst = torch.empty(src.shape, dtype=torch.float32)
-        if cuda:
-            dst.copy_(torch.from_numpy(np.asarray(src)))
-        else:
-            direct_read.read_npy(str(path), dst)
-
-    try:
-        times = []
-        with ThreadPoolExecutor(COPY_THREADS) as pool:
-            for nbytes in (256 << 10, 64 << 20):
-                paths = [where / f"{nbytes}-{i}.npy" for i in range(FILES)]
-                for path in paths:
-                    np.save(path, np.ones(nbytes // 4, dtype=np.float32))
-                times.append((FILES * nbytes, FILES,
-                              _best(lambda: list(pool.map(read, paths)), 3)))
-        (n0, f0, t0), (n1, _, t1) = times
-        rate = (n1 - n0) / max(t1 - t0, 1e-9)
-        return rate, max((t0 - n0 / rate) / f0, 1e-6)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def _link(cuda: bool) -> float:
-    n = 32 << 20
-    src = torch.ones(n // 4)
-    if cuda:
-        src = src.pin_memory()
-        dst = torch.empty(n // 4, device="cuda")
-        return n / _best(lambda: dst.copy_(src, non_blocking=True), sync=torch.cuda.synchronize)
-    return n / _best(lambda: torch.empty(n // 4).copy_(src))
-
-
-def _contention(cuda: bool) -> float:
-    """How much of the shorter of a copy and a product is lost when they run together
-    (0: none, the step is their max; 1: their sum). A GPU's copies take no cores."""
-    if cuda:
-        return 0.0
-    w = torch.randn(_SIDE, 2 * _SIDE)
-    x = torch.randn(4, 2 * _SIDE)
-    src = torch.ones(4 << 20)
-
-    def product():
-        for _ in range(4):
-            torch.nn.functional.linear(x, w)
-
-    def copy():
-        torch.set_num_threads(1)    # as FlexGen's copy threads (cpu_threads.helper_thread)
-        for _ in range(4):
-            torch.empty_like(src).copy_(src)
-
-    def both():
-        t = threading.Thread(target=copy)
-        t.start()
-        product()
-        t.join()
-    threads = torch.get_num_threads()
-    lost = []
-    for _ in range(5):      # each trial pairs its three runs: the machine's load alike
-        alone_p = _best(product, 2)
-        alone_c = _best(lambda: _on_thread(copy), 2)
-        together = _best(both, 2)
-        lost.append((together - max(alone_p, alone_c)) / max(min(alone_p, alone_c), 1e-9))
-    torch.set_num_threads(threads)
-    return float(min(max(np.median(lost), 0.0), 1.0))
-
-
-def _on_thread(fn):
-    t = threading.Thread(target=fn)
-    t.start()
-    t.join()
-
-
 def _layer_s(dtype: torch.dtype, model: str = "opt-tiny") -> tuple[float, float]:
     """One FlexGen layer's fixed cost at batch 1 and 8: the fastest decode step of `model`
     (opt-tiny, llama-tiny) in `dtype` over its six layers (its products are a few thousand
@@ -283,6 +188,25 @@ def _layer_s(dtype: torch.dtype, model: str = "opt-tiny") -> tuple[float, float]
     return min(steps[1]) / layers, min(steps[8]) / layers
 
 
+_ACTIVATION = (64, 768)      # an attention tile's rows, of a small model's width
+
+
+def _activation_s(dtype: torch.dtype) -> float:
+    """Seconds per value of one element-wise operation (an add, a product, a concatenation
+    and a copy, by turns) on a 64-row activation: what a prefill's work around its products
+    costs per value, small tensors' per-call cost included, as the engine meets them."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(*_ACTIVATION, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty_like(x)
+
+    def ops():
+        for _ in range(10):
+            z = (x + y) * y
+            torch.cat((z, x))
+            out.copy_(z)
+    return fastest(ops, 10, clock=_clock()) / (40 * x.numel())
+
+
 def _unpack_per_s(dtype: torch.dtype) -> float:
     """4-bit values unpacked per second, on a 1024 x 4096 matrix (the estimate's 4096 x 4096
     takes long enough on a CPU that other programs' turns land in it, and the prediction
@@ -291,7 +215,7 @@ def _unpack_per_s(dtype: torch.dtype) -> float:
 
     w = torch.randn(_SIDE // 2, 2 * _SIDE, generator=torch.Generator().manual_seed(0))
     data, scale = quant.compress(w, 64, 0)
-    return w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+    return w.numel() / fastest(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
                              clock=_clock())
 
 
@@ -301,11 +225,13 @@ def _measure(cuda: bool, dtype: torch.dtype) -> Machine:
     rates = measure_rates(dtype) if not cuda else _cuda_rates(dtype)
     if not cuda:
         rates = dataclasses.replace(rates, unpack_per_s=_unpack_per_s(dtype))
-    disk_rate, disk_file = _disk(paths.offload_dir(), cuda)
+    disk_rate, disk_file, disk_cpu = disk_rates(paths.offload_dir(), cuda)
     return Machine(cuda, rates.flops_per_s, rates.bytes_per_s, rates.unpack_per_s,
                    _row_seconds(device, dtype, sync),
-                   disk_rate, disk_file, _link(cuda), _layer_s(dtype), _contention(cuda),
-                   llama_layer_s=_layer_s(dtype, "llama-tiny"))
+                   disk_rate, disk_file, link_rate(cuda), _layer_s(dtype), contention(cuda),
+                   llama_layer_s=_layer_s(dtype, "llama-tiny"),
+                   activation_s=0.0 if cuda else _activation_s(dtype),
+                   disk_cpu_bytes_per_s=disk_cpu)
 
 
 def _cuda_rates(dtype) -> Rates:
@@ -315,11 +241,11 @@ def _cuda_rates(dtype) -> Rates:
     w = torch.randn(4096, 4096, generator=gen).to("cuda", dtype)
     x = torch.randn(64, 4096, generator=gen).to("cuda", dtype)
     sync = torch.cuda.synchronize
-    flops = 2 * 64 * w.numel() / _best(lambda: torch.nn.functional.linear(x, w), sync=sync)
-    streamed = w.numel() * w.element_size() / _best(
+    flops = 2 * 64 * w.numel() / fastest(lambda: torch.nn.functional.linear(x, w), sync=sync)
+    streamed = w.numel() * w.element_size() / fastest(
         lambda: torch.nn.functional.linear(x[:1], w), sync=sync)
     data, scale = quant.compress(w.float(), 64, 0)
-    unpack = w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+    unpack = w.numel() / fastest(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
                                sync=sync)
     return Rates(flops, streamed, unpack)
 

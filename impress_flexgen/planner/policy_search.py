@@ -16,11 +16,14 @@ sequences share one load of the layer's weights (FlexGen's block schedule). Per 
               memory copy); and per micro-batch the KV cache off the compute device
     compute = per micro-batch: the layer's fixed cost (Python and kernel launches), its
               products (weight elements at the rate measured for that many rows), 4-bit
-              weights' unpacking, the attention's pass over the cache
+              weights' unpacking, the attention's pass over the cache, and in a prefill
+              the element-wise work around the products (PASS_OPS)
 
 With overlap (FlexGen's pipelined loop) the next layer is read while this one computes:
-max(read, compute), plus the share the two lose to each other where the reading takes the
-same cores (a CPU without CUDA: `contention`, measured); in sync, read + compute. Every
+max(read, compute + lost), where `lost` is what the compute loses to the reading's copies
+on the same cores (a CPU without CUDA: the read's core time, copying out of its buffers or
+between memory buffers, times `contention`, measured; the disk itself moves its bytes
+beside the compute); in sync, read + compute. Every
 second the CPU spends (compute, a file's fixed cost, a memory copy without CUDA) is
 stretched by the share of a core a thread gets now (`share`: other programs); the disk's
 bytes are not (the disk moves them while another program has the core). The
@@ -56,11 +59,20 @@ class Workload:
     # `tile` rows; 0: every prompt row as it comes.
     tiled: int = 0
     tile: int = 256
+    # Prompt tokens per sequence whose KV is read from the store, not computed: a stored
+    # prefix that the block's sequences share, read once per pass (engine/pass_reads.py).
+    stored: int = 0
+
+    def prefill_calls(self, sequences: int) -> tuple[int, ...]:
+        """Token rows of each product call of a prefill pass of `sequences`: the tiled rows
+        in whole tiles, then the others in one call."""
+        tiles = -(-sequences * self.tiled // self.tile)
+        rest = sequences * (self.prompt_len - self.tiled - self.stored)
+        return (self.tile,) * tiles + ((rest,) if rest else ())
 
     def prefill_rows(self, sequences: int) -> int:
         """Token rows a prefill pass of `sequences` multiplies."""
-        tiled = -(-sequences * self.tiled // self.tile) * self.tile
-        return tiled + sequences * (self.prompt_len - self.tiled)
+        return sum(self.prefill_calls(sequences))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +124,7 @@ class Shape:
     kv_width: int                    # K (or V) values per token per sequence per layer
     itemsize: int                    # bytes of a value in the compute dtype
     spec: object = None              # the ModelSpec, for the memory accounting
+    hidden: int = 0                  # the hidden width (a token row's activation)
 
 
 def model_shape(spec) -> Shape:
@@ -129,7 +142,7 @@ def model_shape(spec) -> Shape:
     else:
         kv = c.n_kv_head * c.head_dim
     counted = tuple(dataclasses.replace(x, count=n) for x, n in layers.items())
-    return Shape(spec.name, counted, kv, np.dtype(c.dtype).itemsize, spec)
+    return Shape(spec.name, counted, kv, np.dtype(c.dtype).itemsize, spec, c.hidden_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +172,12 @@ def _homes(elements: tuple[int, ...], w_gpu: float, w_cpu: float) -> tuple[str, 
     return tuple(layer_homes(list(elements), w_gpu, w_cpu))
 
 
-def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int) -> float:
-    """Seconds to bring one layer's weights to the compute device; `rows` token rows embedded
-    (a token table on the disk, loaded into CPU memory, is read for those rows alone)."""
-    seconds = 0.0
+def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine,
+                 rows: int) -> tuple[float, float]:
+    """(seconds, core seconds) to bring one layer's weights to the compute device: the time
+    the read takes and the time of a core it spends copying; `rows` token rows embedded (a
+    token table on the disk, loaded into CPU memory, is read for those rows alone)."""
+    seconds = core = 0.0
     cpu = m.share if not m.cuda else 1.0      # a copy in memory takes a core
     for i, (elements, matrix, home) in enumerate(zip(layer.elements, layer.matrix,
                                                      _homes(layer.elements, p.w_gpu, p.w_cpu))):
@@ -175,38 +190,69 @@ def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int) -
         if home == "disk":
             seconds += m.disk_file_s * (2 if packed else 1) / m.share + \
                 nbytes / m.disk_bytes_per_s
+            core += _disk_core(m, nbytes)
         elif home == "cpu":
             seconds += nbytes / m.link_bytes_per_s / cpu
-    return seconds
+            core += nbytes / m.link_bytes_per_s / cpu
+    return seconds, core
 
 
-def _cache_read(shape: Shape, p: Policy, m: Machine, tokens: float, new: float) -> float:
-    """Seconds, per micro-batch, to bring an attention layer's KV (K and V of `tokens`
-    positions) to the compute device and store the `new` positions back."""
+def _disk_core(m: Machine, nbytes: float) -> float:
+    """Core seconds a disk read of `nbytes` spends (copying out of its read buffer)."""
+    return nbytes / m.disk_cpu_bytes_per_s / m.share if m.disk_cpu_bytes_per_s else 0.0
+
+
+def _cache_read(shape: Shape, p: Policy, m: Machine, tokens: float,
+                new: float) -> tuple[float, float]:
+    """(seconds, core seconds), per micro-batch, to bring an attention layer's KV (K and V
+    of `tokens` positions) to the compute device and store the `new` positions back."""
     values = 2 * p.gpu_batch_size * shape.kv_width
     total = _value_bytes(values * tokens, shape.itemsize, p.compress_cache)
     stored = _value_bytes(values * new, shape.itemsize, p.compress_cache)
     disk = (100 - p.cache_gpu - p.cache_cpu) / 100
     cpu = m.share if not m.cuda else 1.0
-    seconds = p.cache_cpu / 100 * (total + stored) / m.link_bytes_per_s / cpu
+    seconds = core = p.cache_cpu / 100 * (total + stored) / m.link_bytes_per_s / cpu
     if disk:
         seconds += 4 * m.disk_file_s / m.share + disk * (total + stored) / m.disk_bytes_per_s
-    return seconds
+        core += _disk_core(m, disk * (total + stored))
+    return seconds, core
 
 
-def _compute(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int,
-             tokens: float, queries: int) -> float:
-    """Seconds of one micro-batch through one layer: `rows` token rows through its
-    products, `queries` new tokens per sequence attending over `tokens` positions."""
+# A prefill's element-wise work around its products (norms, residuals, the activation,
+# rotary, tiles gathered and scattered, KV concatenated, softmax), in element-wise
+# operations over the hidden width per token row and model layer: profiles of the serving
+# engine's prefill on a CPU put it at 13-15 us a row and layer for OPT-125M (768 wide) and
+# SmolLM2 (576), where one such operation took 0.105 ns a value (Machine.activation_s).
+PASS_OPS = 200
+# A sequence's handling of its stored prefix in each layer of a prefill (matching its chunks,
+# the policy's plan, gathering and concatenating them, the mask), in layers' fixed costs:
+# 0.4-0.65 ms a sequence and layer in profiles of SmolLM2 and OPT-125M on a CPU whose layer's
+# fixed cost was 0.17-0.2 ms.
+STORED_LAYER_COSTS = 3
+
+
+def _compute(layer: Layer, shape: Shape, p: Policy, m: Machine, calls: tuple[float, ...],
+             tokens: float, queries: int, share: float = 1.0, stored: bool = False) -> float:
+    """Seconds of one micro-batch through one layer: product calls of `calls` token rows
+    each, `share` of them the micro-batch's (a prefill pass's calls are the whole block's),
+    `queries` new tokens per sequence attending over `tokens` positions, some of them a
+    `stored` prefix's."""
     b = p.gpu_batch_size
-    seconds = m.layer_seconds(b, getattr(shape.spec, "family", "opt"))
+    family = getattr(shape.spec, "family", "opt")
+    seconds = m.layer_seconds(b, family)
+    if stored and layer.kind == "attention":
+        seconds += b * STORED_LAYER_COSTS * m.layer_seconds(1, family)
     matrices = sum(e for e, mat in zip(layer.elements, layer.matrix) if mat)
     if p.compress_weight:
         seconds += matrices / m.unpack_per_s
-    if layer.kind in ("attention", "mlp", "output"):
-        # The output layer multiplies the last position only (base.output_logits).
-        n = b if layer.kind == "output" else rows
-        seconds += matrices * m.element_seconds(n)
+    if layer.kind == "output":      # the last position only (base.output_logits)
+        seconds += matrices * m.element_seconds(b)
+    elif layer.kind in ("attention", "mlp"):
+        seconds += share * matrices * sum(m.element_seconds(n) for n in calls)
+    if queries > 1 and layer.kind in ("attention", "mlp"):
+        # Half of a model layer's in each of its two FlexGen layers. A decode step's is in
+        # the layer's fixed cost, measured on decode steps.
+        seconds += share * sum(calls) * shape.hidden * PASS_OPS / 2 * m.activation_s
     if layer.kind == "attention":
         kv = 2 * b * shape.kv_width * tokens
         seconds += kv * shape.itemsize / m.bytes_per_s + 2 * kv * queries / m.flops_per_s
@@ -215,20 +261,37 @@ def _compute(layer: Layer, shape: Shape, p: Policy, m: Machine, rows: int,
     return seconds / m.share      # other programs' turns on the cores stretch it
 
 
-def _step(shape: Shape, p: Policy, m: Machine, rows: int, tokens: float, queries: int,
-          new: float, overlap: bool) -> tuple[float, float, float]:
+def _stored_read(shape: Shape, m: Machine, tokens: int) -> tuple[float, float]:
+    """(seconds, core seconds) to read an attention layer's stored KV of `tokens` positions
+    from the store's disk (its K and V files), once for the pass."""
+    if not tokens:
+        return 0.0, 0.0
+    nbytes = 2 * shape.kv_width * tokens * shape.itemsize
+    return 2 * m.disk_file_s / m.share + nbytes / m.disk_bytes_per_s, _disk_core(m, nbytes)
+
+
+def _step(shape: Shape, p: Policy, m: Machine, calls: tuple[float, ...], tokens: float,
+          queries: int, new: float, overlap: bool, share: float = 1.0,
+          stored: int = 0) -> tuple[float, float, float]:
     """(step seconds, reads alone, compute alone) of one pass of the block."""
     k = p.num_gpu_batches
+    rows = sum(calls) * share           # per micro-batch
     step = reads = computes = 0.0
     for layer in shape.layers:
-        read = _weight_read(layer, shape, p, m, rows * k)
+        read, core = _weight_read(layer, shape, p, m, rows * k)
         if layer.kind == "attention":
-            read += k * _cache_read(shape, p, m, tokens, new)
-        compute = k * _compute(layer, shape, p, m, rows, tokens, queries)
+            kv, kv_core = _cache_read(shape, p, m, tokens, new)
+            held, held_core = _stored_read(shape, m, stored)
+            read, core = read + k * kv + held, core + k * kv_core + held_core
+        compute = k * _compute(layer, shape, p, m, calls, tokens, queries, share, stored > 0)
         reads += layer.count * read
         computes += layer.count * compute
         if overlap:
-            step += layer.count * (max(read, compute) + m.contention * min(read, compute))
+            # The disk moves its bytes beside the compute; the compute loses what the
+            # reading's copies take of its cores (`contention` of their core time, which
+            # lies within the read's own time): never more than read + compute.
+            lost = m.contention * min(core, read, compute)
+            step += layer.count * max(read, compute + lost)
         else:
             step += layer.count * (read + compute)
     return step, reads, computes
@@ -238,11 +301,12 @@ def predict(shape: Shape, policy: Policy, machine: Machine,
             workload: Workload = Workload(), overlap: bool = True) -> Prediction:
     """Predicted prefill and decode time of `policy` for `workload` on `machine`."""
     p, w = policy, workload
-    rows = -(-w.prefill_rows(p.block) // p.num_gpu_batches)     # per micro-batch
-    prefill, _, _ = _step(shape, p, machine, rows, w.prompt_len, w.prompt_len, w.prompt_len,
-                          overlap)
+    k = p.num_gpu_batches
+    prefill, _, _ = _step(shape, p, machine, w.prefill_calls(p.block), w.prompt_len,
+                          w.prompt_len - w.stored, w.prompt_len - w.stored, overlap,
+                          share=1 / k, stored=w.stored)
     context = w.prompt_len + w.gen_len / 2     # the decode steps' mean context
-    decode, reads, computes = _step(shape, p, machine, p.gpu_batch_size, context, 1, 1,
+    decode, reads, computes = _step(shape, p, machine, (p.gpu_batch_size,), context, 1, 1,
                                     overlap)
     total = prefill + max(w.gen_len - 1, 0) * decode
     return Prediction(p, prefill, decode, reads, computes, p.block * w.gen_len / total,
@@ -338,8 +402,11 @@ def search(shape: Shape, machine, limits, workload: Workload = Workload(),
                 continue
             weighed += 1
             pr = predict(fmt_shape, p, rates(fmt), workload)
-            if best is None or pr.tokens_per_s > best[0].tokens_per_s:
-                best = (pr, fmt, need)
+            # At equal speed (reads hidden behind compute), the weights and cache nearer
+            # the compute: fewer bytes moved, fewer cores taken.
+            key = (pr.tokens_per_s, wg, wc, cg, cc)
+            if best is None or key > best[3]:
+                best = (pr, fmt, need, key)
     if best is None:
         return None
     return SearchResult(best[0], best[1], best[2], weighed)
