@@ -13,17 +13,21 @@ with its own 8-token query, `--tokens` new tokens each, greedy.
 
 Rows: `system` (ours, accelerate), `dtype`, `mode` (sync: one request, each layer read when
 needed; overlap: one request, the next layer read while this one computes; block: every
-request in one block of gpu_batch_size x num_gpu_batches sharing each weight load; the
-peer's sync and block are one request and all of them batched), prefill / decode / overall
-generated tokens per second, `step_s` (a decode step), `read_s` and `compute_s` (a decode
+request in one block of gpu_batch_size x num_gpu_batches sharing each weight load;
+stored: the block again, its shared prefix stored by an earlier request (timed apart:
+`store_s`) and read from the store's disk once for the pass (the exact policy `full`,
+O_DIRECT, no memory tier), only the queries computed; every other row of ours recomputes
+the prefix, as the peer does; the peer's sync and block are one request and all of them
+batched), prefill / decode / overall generated tokens per second, `step_s` (a decode step), `read_s` and `compute_s` (a decode
 step's weight read and its compute, each measured alone: the same step again with reads
 not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
 and `next_start_s` (building the model with its weights written, then reused; ours: one
 weights cache per model for its rows, made by the first),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
-weights could come from the page cache), `predicted_tokens_per_s` and
+weights could come from the page cache), `output_sha1` (of the generated tokens) and, on a
+stored row, `same_output_as_block` (its tokens are the block row's), `predicted_tokens_per_s` and
 `predicted_decode_tokens_per_s` (the policy search's prediction for the row's policy, on the
-rates measured at start-up in the rows' dtype and the share of a core a busy thread got
+rates measured at the run's start in the rows' dtype and the share of a core a busy thread got
 just before and after the row, `share`: other programs' load, which changes over a long
 run; null for the peer). `--quick`: opt-125m under the same placement,
 and smollm2-135m wholly in memory (what the schedule costs where nothing is offloaded).
@@ -31,6 +35,7 @@ and smollm2-135m wholly in memory (what the schedule costs where nothing is offl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import resource
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 from impress_flexgen.entrypoints.args import ArgumentParser, int_range, write_json
@@ -45,12 +51,21 @@ from impress_flexgen.entrypoints.process import run_main
 from impress_flexgen.errors import UserError
 
 QUERY_TOKENS = 8
+MODES = ("sync", "overlap", "block", "stored")
+BLOCK_MODES = ("block", "stored")   # every request in one block of micro-batches
 SHARD_BYTES = 2 << 30   # the peer's checkpoint shards
 CPU_SHARE = 10          # percent of the weights held in memory; the rest on the disk
 
 
 def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """This process's peak RSS: Linux's VmHWM (its own memory's; getrusage's ru_maxrss
+    carries over the parent's peak through fork and exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _prompts(vocab: int, n: int, prefix: int) -> list[tuple[list[int], list[int]]]:
@@ -88,14 +103,16 @@ def predicted(job: dict, machine) -> dict:
 
     cfg = _runtime_config(job)
     p = cfg.placement
-    block = job["mode"] == "block"
+    block = job["mode"] in BLOCK_MODES
     policy = Policy(p.w_gpu, p.w_cpu, p.cache_gpu, p.cache_cpu,
                     job["gpu_batch_size"] if block else job["batch"],
                     job["num_gpu_batches"] if block else 1, act_gpu=p.act_gpu,
                     act_cpu=p.act_cpu)
-    # The rows' policy (recomp) is exact: each prefix's whole chunks go by canonical tiles.
-    work = Workload(job["prefix"] + QUERY_TOKENS, job["tokens"],
-                    tiled=job["prefix"] // CHUNK_SIZE * CHUNK_SIZE, tile=TILE)
+    # Both policies are exact: recomp computes each prefix's whole chunks by canonical
+    # tiles; full reads them from the store (once for the pass) and computes the rest.
+    chunks = job["prefix"] // CHUNK_SIZE * CHUNK_SIZE
+    work = Workload(job["prefix"] + QUERY_TOKENS, job["tokens"], tile=TILE,
+                    **{"stored" if job["mode"] == "stored" else "tiled": chunks})
     guess = predict(model_shape(resolve_spec(cfg, check_placement=False)), policy, machine,
                     work, overlap=cfg.overlap)
     return {"predicted_tokens_per_s": guess.tokens_per_s,
@@ -104,7 +121,8 @@ def predicted(job: dict, machine) -> dict:
 
 def _steps(engine, reqs, micro_batch):
     """Serve `reqs` together, step by step; (prefill s, decode step times, their weight
-    waits and disk bytes, generated tokens)."""
+    waits and disk bytes, generated tokens, tokens made by the prefill, each request's
+    tokens)."""
     runner, stream = engine.runner, engine.runner.weights
     runner.micro_batch = micro_batch
     seqs = [engine.add_request(r) for r in reqs]
@@ -120,7 +138,8 @@ def _steps(engine, reqs, micro_batch):
         waits.append(stream.wait_s - w)
         reads.append(stream.disk_bytes - b)
     runner.micro_batch = None
-    return first, steps, waits, reads, sum(len(s.tokens) for s in seqs), made
+    return (first, steps, waits, reads, sum(len(s.tokens) for s in seqs), made,
+            [list(s.tokens) for s in seqs])
 
 
 def ours(job: dict) -> dict:
@@ -129,7 +148,7 @@ def ours(job: dict) -> dict:
     from policies import ServingConfig
 
     from impress_flexgen.engine import Request
-    from impress_flexgen.engine.assemble import assemble, make_serving_policy
+    from impress_flexgen.engine.assemble import StoreSpec, assemble, make_serving_policy
     from impress_flexgen.engine.scheduler import SchedulerConfig
     from impress_flexgen.models.runtime import Runtime
     from impress_flexgen.tiers import TierConfig
@@ -142,15 +161,25 @@ def ours(job: dict) -> dict:
         starts.append(time.perf_counter() - t0)
         if len(starts) == 1:
             rt.close()
-    with rt:
-        engine = assemble(rt, make_serving_policy("recomp", ServingConfig()), None,
-                          TierConfig()).engine
+    stored = job["mode"] == "stored"
+    # The store (stored rows): on the row's disk, no memory tiers in front of it, read past
+    # the page cache, so that the pass reads the prefix's KV from the disk.
+    store = StoreSpec(Path(job["dir"]) / "store") if stored else None
+    with rt, closing(assemble(rt, make_serving_policy("full" if stored else "recomp",
+                                                      ServingConfig()),
+                              store, TierConfig())) as stack:
+        engine = stack.engine
         batch = job["batch"]
         engine.schedule_by(SchedulerConfig(max_batch_size=batch, max_batch_tokens=1 << 20))
         prompts = _prompts(rt.spec.config.vocab_size, batch, job["prefix"])
+        store_s = None
+        if stored:      # an earlier request stored the shared prefix (timed apart)
+            t0 = time.perf_counter()
+            engine.serve(Request(prompts[0][0], [7, 8, 9], 1))
+            store_s = time.perf_counter() - t0
         reqs = [Request(p, q, job["tokens"]) for p, q in prompts]
-        micro = job["gpu_batch_size"] if job["mode"] == "block" else None
-        first, steps, waits, reads, generated, made = _steps(engine, reqs, micro)
+        micro = job["gpu_batch_size"] if job["mode"] in BLOCK_MODES else None
+        first, steps, waits, reads, generated, made, tokens = _steps(engine, reqs, micro)
         step_s = float(np.median(steps))
         # The same decode steps with reads not overlapped: a step's read and its compute,
         # each alone.
@@ -172,6 +201,8 @@ def ours(job: dict) -> dict:
                 "peak_rss_gb": _peak_rss_gb(), "first_start_s": starts[0],
                 "next_start_s": starts[1], "bytes_read": int(sum(reads)),
                 "page_cache": bool(job["offload"] and torch.cuda.is_available()),
+                "output_sha1": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
+                "store_s": store_s,
                 "predicted_tokens_per_s": None, "predicted_decode_tokens_per_s": None}
 
 
@@ -297,6 +328,8 @@ def plan(args) -> list[tuple[str, dict]]:
         rows += [("ours", {**base, "mode": "block", "batch": block, "gpu_batch_size": size,
                            "num_gpu_batches": n})]
         rows += [("accelerate", {**base, "mode": "block", "batch": block})] if peer else []
+        rows += [("ours", {**base, "mode": "stored", "batch": block, "gpu_batch_size": size,
+                           "num_gpu_batches": n})]
     return [(kind, job) for kind, job in rows if job["mode"] in args.modes]
 
 
@@ -318,15 +351,18 @@ def main(argv=None) -> int:
                     help="both systems' weights and compute (default: fp16 with CUDA, "
                          "else fp32)")
     ap.add_argument("--no-peer", action="store_true", help="ours only")
-    ap.add_argument("--modes", default="sync,overlap,block",
+    ap.add_argument("--cached-rates", action="store_true",
+                    help="predict from the rates an earlier start measured, if any, instead "
+                         "of measuring them now")
+    ap.add_argument("--modes", default=",".join(MODES),
                     help="the rows' modes to measure (comma-separated; default all)")
     ap.add_argument("--timeout", type=int_range(10), default=3600,
                     help="seconds for each row's process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.modes = set(args.modes.split(","))
-    if not args.modes <= {"sync", "overlap", "block"}:
-        raise UserError(f"--modes: sync, overlap or block, not {sorted(args.modes)}")
+    if not args.modes <= set(MODES):
+        raise UserError(f"--modes: {', '.join(MODES)}, not {sorted(args.modes)}")
     if args.dtype is None:
         import torch
         args.dtype = "fp16" if torch.cuda.is_available() else "fp32"
@@ -336,10 +372,12 @@ def main(argv=None) -> int:
         args.prefix, args.tokens, args.gpu_batch_size, args.num_gpu_batches = 128, 8, 4, 4
     from impress_flexgen.planner.machine import cpu_share, measure_machine
 
-    # The policy search's rates in the rows' dtype, measured once (cached for this machine)
-    # before the rows.
+    # The policy search's rates in the rows' dtype, measured now, before the rows (about
+    # half a minute; a cached measurement may be from another hour of a disk whose rate
+    # wanders), and cached for the next start.
     from impress_flexgen.models import dtypes
-    machine = measure_machine(dtype=dtypes.torch_dtype(dtypes.of_name(args.dtype)))
+    machine = measure_machine(dtype=dtypes.torch_dtype(dtypes.of_name(args.dtype)),
+                              use_cache=args.cached_rates)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_offload-") as tmp:
         hf, first_starts = {}, {}
@@ -365,6 +403,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
+    for row in rows:
+        # The stored prefix's KV is bit-equal to its recomputation (an exact policy):
+        # the stored row's tokens are the block's.
+        block = next((r for r in rows if r["system"] == "ours" and r["mode"] == "block"
+                      and r["model"] == row["model"]), None)
+        if row["system"] == "ours" and row["mode"] == "stored" and block is not None:
+            row["same_output_as_block"] = row["output_sha1"] == block["output_sha1"]
     result = {"model": args.model if not args.quick else "quick", "dtype": args.dtype,
               "prefix": args.prefix,
               "tokens": args.tokens, "rows": rows}

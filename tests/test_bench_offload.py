@@ -1,4 +1,5 @@
-"""experiments.bench_offload on a tiny OPT: every row's fields, ours and the peer's."""
+"""experiments.bench_offload on a tiny OPT: every row's fields, ours and the peer's, and the
+stored prefix's row generating what the block computed."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ def test_rows_of_every_system_and_mode(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["mode"], r["batch"]) for r in rows] == [
         ("ours", "sync", 1), ("ours", "overlap", 1), ("accelerate", "sync", 1),
-        ("ours", "block", 4), ("accelerate", "block", 4)]
+        ("ours", "block", 4), ("accelerate", "block", 4), ("ours", "stored", 4)]
     for row in rows:
         assert FIELDS <= set(row)
         assert row["tokens_per_s"] > 0 and row["peak_rss_gb"] > 0
@@ -32,6 +33,8 @@ def test_rows_of_every_system_and_mode(tmp_path):
         assert row["bytes_read"] > 0 and row["read_s"] > 0 and row["compute_s"] > 0
         assert row["page_cache"] is torch.cuda.is_available()   # O_DIRECT on a CPU
     assert rows[2]["offloaded"] is True            # the peer did offload to its disk folder
+    # the block again with its shared prefix read from the store: the same tokens
+    assert rows[5]["same_output_as_block"] is True
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
