@@ -532,8 +532,10 @@ class RunContext:
     runtime: Runtime
     tasks: Tasks
     root: Path
-    seeds: dict | None              # exact -> PrefixKV, made at first use; None: literal
-    reference: dict                 # cold serve per configuration
+    # Per kind of policy (exact or not) its PrefixKV, made at first use; None: a literal
+    # cold serve in every configuration.
+    seeds: dict | None
+    reference: dict
     progress: object = None
     needed: set | None = None       # the prefixes seeded
 

@@ -18,9 +18,9 @@ stored: the block again, its shared prefix stored by an earlier request (timed a
 `store_s`) and read from the store's disk once for the pass (the exact policy `full`,
 O_DIRECT, no memory tier), only the queries computed; every other row of ours recomputes
 the prefix, as the peer does; the peer's sync and block are one request and all of them
-batched), prefill / decode / overall generated tokens per second, `step_s` (a decode step), `read_s` and `compute_s` (a decode
-step's weight read and its compute, each measured alone: the same step again with reads
-not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
+batched), prefill / decode / overall generated tokens per second, `step_s` (a decode
+step), `read_s` and `compute_s` (a decode step's weight read and its compute, each measured
+alone: the same step again with reads not overlapped), `batch`, `peak_rss_gb` (each system in its own process), `first_start_s`
 and `next_start_s` (building the model with its weights written, then reused; ours: one
 weights cache per model for its rows, made by the first),
 `bytes_read` (weight bytes read from the disk while decoding), `page_cache` (whether the
@@ -403,12 +403,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
-    for row in rows:
-        # The stored prefix's KV is bit-equal to its recomputation (an exact policy):
-        # the stored row's tokens are the block's.
-        block = next((r for r in rows if r["system"] == "ours" and r["mode"] == "block"
-                      and r["model"] == row["model"]), None)
-        if row["system"] == "ours" and row["mode"] == "stored" and block is not None:
+    # The stored prefix's KV is bit-equal to its recomputation (an exact policy): the
+    # stored row's tokens are the block's.
+    ours = {(r["model"], r["mode"]): r for r in rows if r["system"] == "ours"}
+    for (model, mode), row in ours.items():
+        if mode == "stored" and (model, "block") in ours:
+            block = ours[model, "block"]
             row["same_output_as_block"] = row["output_sha1"] == block["output_sha1"]
     result = {"model": args.model if not args.quick else "quick", "dtype": args.dtype,
               "prefix": args.prefix,

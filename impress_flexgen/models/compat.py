@@ -89,8 +89,8 @@ def cpu_copy_worker(copy_queue: queue_mod.Queue, cuda_id: int = 0) -> None:
     """
     from flexgen import pytorch_backend as pb
 
-    # Its copies run on this thread alone: a second thread's OpenMP team slows the
-    # computing thread's (cpu_threads).
+    # Its copies run on this thread alone, as cpu_threads has helper threads do (one team
+    # of OpenMP threads, the computing thread's).
     cpu_threads.helper_thread()
     while True:
         item = copy_queue.get()

@@ -25,6 +25,7 @@ import torch
 from ..models import quant
 from ..models.footprint import footprint
 from .costs import PrefillCurve
+from .transfers import fastest
 
 _SIDE = 4096            # 64 MiB in fp32: out of any CPU cache
 _PREFILL_ROWS = 64      # a prefill's products (a decode step's one row is memory-bound)
@@ -39,16 +40,6 @@ class Rates:
     disk_bytes_per_s: float = DISK_BYTES_PER_S
 
 
-def _best(fn, repeats: int = 3) -> float:
-    fn()   # the first call faults pages in and picks kernels
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
 @functools.lru_cache(maxsize=4)
 def measure_rates(dtype: torch.dtype = torch.float32) -> Rates:
     """This CPU's rates in `dtype` (once per process and dtype), through the models' own
@@ -59,10 +50,11 @@ def measure_rates(dtype: torch.dtype = torch.float32) -> Rates:
     w = torch.randn(_SIDE, _SIDE, generator=gen).to(dtype)
     x = torch.randn(_PREFILL_ROWS, _SIDE, generator=gen).to(dtype)
     one = x[:1].clone()
-    flops = 2 * _PREFILL_ROWS * w.numel() / _best(lambda: linear(x, w))
-    streamed = w.numel() * w.element_size() / _best(lambda: linear(one, w))
+    flops = 2 * _PREFILL_ROWS * w.numel() / fastest(lambda: linear(x, w), 3)
+    streamed = w.numel() * w.element_size() / fastest(lambda: linear(one, w), 3)
     data, scale = quant.compress(w.float(), 64, 0)
-    unpack = w.numel() / _best(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype))
+    unpack = w.numel() / fastest(lambda: quant.decompress(data, scale, w.shape, 64, 0, dtype),
+                                   3)
     return Rates(flops, streamed, unpack)
 
 

@@ -191,9 +191,9 @@ def _weight_read(layer: Layer, shape: Shape, p: Policy, m: Machine,
             seconds += m.disk_file_s * (2 if packed else 1) / m.share + \
                 nbytes / m.disk_bytes_per_s
             core += _disk_core(m, nbytes)
-        elif home == "cpu":
-            seconds += nbytes / m.link_bytes_per_s / cpu
-            core += nbytes / m.link_bytes_per_s / cpu
+        elif home == "cpu":         # a copy in memory: all of its time on a core
+            copy = nbytes / m.link_bytes_per_s / cpu
+            seconds, core = seconds + copy, core + copy
     return seconds, core
 
 

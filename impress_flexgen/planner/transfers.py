@@ -21,7 +21,8 @@ SIDE = 2048     # the product timed beside a copy: SIDE x 2 SIDE
 
 
 def fastest(fn, repeats: int = 5, sync=lambda: None, clock=time.perf_counter) -> float:
-    """Seconds of the fastest of `repeats` runs of `fn` (after one untimed), by `clock`."""
+    """Seconds of the fastest of `repeats` runs of `fn` (after one untimed: it faults pages
+    in and picks kernels), by `clock`."""
     fn()
     sync()
     best = float("inf")
@@ -40,11 +41,13 @@ FILES = 8
 def disk_rates(root, cuda: bool) -> tuple[float, float, float]:
     """(bytes/s, seconds per file, bytes per core second) of the runtime's disk weight
     reads: FILES .npy files of 256 KiB, then of 64 MiB (a large model's matrix, read in two
-    streams as the runtime reads one), each read into a new tensor by COPY_THREADS threads at once, as FlexGen's copy
-    threads do: past the page cache (direct_read) where the runtime reads so (weights loaded
-    into CPU memory), through a memory map where FlexGen's own copy does. Half a GiB a pass:
-    a decode step reads gigabytes, and a shorter read meets a virtual disk's bursts (8 MiB
-    files gave 1.4-1.8 GB/s here where a step's reads ran at 0.7-1.0 GB/s)."""
+    streams as the runtime reads one), each read into a new tensor by COPY_THREADS threads
+    at once, as FlexGen's copy threads do: past the page cache (direct_read) where the
+    runtime reads so (weights loaded into CPU memory), through a memory map where FlexGen's
+    own copy does. Half a GiB a pass: a decode step reads gigabytes, and a shorter read
+    meets a virtual disk's bursts (8 MiB files gave 1.4-1.8 GB/s here where a step's reads
+    ran at 0.7-1.0 GB/s). The core seconds are the whole process's over the large files'
+    fastest pass."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..models import direct_read
@@ -101,7 +104,8 @@ def link_rate(cuda: bool) -> float:
     if cuda:
         src = src.pin_memory()
         dst = torch.empty(n // 4, device="cuda")
-        return n / fastest(lambda: dst.copy_(src, non_blocking=True), sync=torch.cuda.synchronize)
+        return n / fastest(lambda: dst.copy_(src, non_blocking=True),
+                           sync=torch.cuda.synchronize)
     return n / fastest(lambda: torch.empty(n // 4).copy_(src))
 
 
